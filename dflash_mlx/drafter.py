@@ -1,0 +1,231 @@
+"""The DFlash block drafter: Qwen3-style layers that attend over target context.
+
+One forward proposes a whole block. The fused target hidden states enter every
+layer only as extra keys/values ("KV injection"); queries come from the block,
+whose input is ``[anchor, MASK, ..., MASK]``. Embeddings and LM head are the
+target's, so a checkpoint holds neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from . import kernels
+from .checkpoint import load_weights, read_config, resolve
+from .errors import DFlashError
+
+REQUIRED_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "rms_norm_eps",
+    "num_target_layers",
+)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spread target layers, as the released drafters were trained."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    num_target_layers: int
+    head_dim: int | None = None
+    rope_theta: float = 1e6
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 40960
+    block_size: int = 16
+    target_layer_ids: list[int] = field(default_factory=list)
+    mask_token_id: int = 0
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if not self.target_layer_ids:
+            self.target_layer_ids = default_target_layer_ids(
+                self.num_target_layers, self.num_hidden_layers
+            )
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "DrafterArgs":
+        missing = [k for k in REQUIRED_KEYS if k not in config]
+        if missing:
+            raise DFlashError(
+                f"drafter config.json is missing {', '.join(missing)}: "
+                "is this a DFlash drafter checkpoint (it needs a dflash_config)?"
+            )
+        dflash = config.get("dflash_config") or {}
+        known = cls.__dataclass_fields__
+        args = {k: v for k, v in config.items() if k in known}
+        args.update({k: v for k, v in dflash.items() if k in known})
+        if args.get("rope_theta") is None:
+            rope = config.get("rope_parameters") or {}
+            args["rope_theta"] = rope.get("rope_theta", 1e6)
+        return cls(**args)
+
+    def sliding_window_of(self, layer: int) -> int | None:
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+
+def is_drafter_config(config: dict[str, Any]) -> bool:
+    return "dflash_config" in config or ("block_size" in config and "num_target_layers" in config)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: DrafterArgs, sliding_window: int | None):
+        super().__init__()
+        dim, hd = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.scale = hd**-0.5
+        self.sliding_window = sliding_window
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            hd,
+            base=args.rope_theta,
+            traditional=False,
+            scaling_config=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    def __call__(
+        self, x: mx.array, context: mx.array, cache: KVCache, ops: kernels.KernelOps
+    ) -> mx.array:
+        # The cache holds context K/V only; the block's K/V go in for this forward
+        # and are trimmed off by the caller, so positions stay absolute.
+        _, L, _ = x.shape
+        start = cache.offset + context.shape[1]
+        q = self.q_norm(self.q_proj(x).reshape(1, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        kv_in = mx.concatenate([context, x], axis=1)
+        S = kv_in.shape[1]
+        k = self.k_norm(self.k_proj(kv_in).reshape(1, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(kv_in).reshape(1, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=start)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = ops.block_attention(q, k, v, scale=self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DrafterArgs, layer: int):
+        super().__init__()
+        self.self_attn = Attention(args, args.sliding_window_of(layer))
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x, context, cache, ops):
+        x = x + self.self_attn(self.input_layernorm(x), context, cache, ops)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nn.Module):
+    def __init__(self, args: DrafterArgs):
+        super().__init__()
+        self.args = args
+        n_in = len(args.target_layer_ids) * args.hidden_size
+        self.fc = nn.Linear(n_in, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def __call__(
+        self,
+        block_embeddings: mx.array,
+        context_hidden: mx.array,
+        cache: list[KVCache],
+        lm_head: Callable[[mx.array], mx.array],
+        ops: kernels.KernelOps,
+    ) -> mx.array:
+        """Logits (L-1, V) for the block positions after the anchor.
+
+        block_embeddings: (1, L, H) target embeddings of ``[anchor, MASK...]``.
+        context_hidden: (1, n, k*H) target hidden states of the context rows not
+        yet in ``cache`` (the concatenated outputs of ``target_layer_ids``).
+        lm_head: the target's output head. The new context K/V stay in
+        ``cache``; the block's do not.
+        """
+        context = self.hidden_norm(self.fc(context_hidden))
+        h = block_embeddings
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, context, c, ops)
+        L = block_embeddings.shape[1]
+        for c in cache:
+            c.trim(L)
+        return lm_head(self.norm(h)[0, 1:])
+
+
+def load_drafter(path_or_repo: str, dtype: mx.Dtype | None = None) -> Drafter:
+    """Load a DFlash drafter (released layout or our MLX conversion, quantized or not)."""
+    path = resolve(str(path_or_repo), "drafter")
+    config = read_config(path, "drafter")
+    if not is_drafter_config(config):
+        raise DFlashError(
+            f"{path} is not a DFlash drafter (config.json has no dflash_config): "
+            "pass the drafter with --draft and the target with --model"
+        )
+    args = DrafterArgs.from_config(config)
+    model = Drafter(args)
+    weights = load_weights(path)
+    if (q := config.get("quantization")) is not None:
+        nn.quantize(
+            model,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            mode=q.get("mode", "affine"),
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise DFlashError(
+            f"drafter weights in {path} do not match its config.json ({e}): "
+            "the checkpoint is incomplete or the config belongs to another model"
+        ) from None
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model

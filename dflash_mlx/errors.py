@@ -1,0 +1,2 @@
+class DFlashError(Exception):
+    """A user-facing error: its message names the problem and the fix."""

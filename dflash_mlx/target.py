@@ -1,0 +1,129 @@
+"""Adapter around an mlx_lm model: hidden-state capture, shared embedding and head.
+
+mlx_lm models return only logits. The adapter swaps thin taps into
+``model.layers`` for the duration of one call and restores the originals after,
+so the same model object stays untouched (and as fast) for plain mlx_lm use.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from .errors import DFlashError
+
+
+class _Tap:
+    """Calls a layer and records its output hidden state."""
+
+    def __init__(self, layer: nn.Module, sink: list):
+        self.layer, self.sink = layer, sink
+
+    def __call__(self, *args, **kwargs):
+        out = self.layer(*args, **kwargs)
+        self.sink.append(out[0] if isinstance(out, tuple) else out)
+        return out
+
+    def __getattr__(self, name):
+        # Models read per-layer attributes (e.g. ``use_sliding``) while iterating.
+        return getattr(self.layer, name)
+
+
+def _find(model: nn.Module, name: str) -> Any:
+    for owner in (model, getattr(model, "model", None), getattr(model, "language_model", None)):
+        if owner is not None and name in owner:
+            return owner[name]
+        inner = getattr(owner, "model", None) if owner is not None else None
+        if inner is not None and name in inner:
+            return inner[name]
+    return None
+
+
+class Target:
+    """The verifier: an mlx_lm model plus the views of it the drafter needs."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        self.model = model
+        self.layer_ids = list(layer_ids)
+        self.layers = model.layers
+        self.embed_tokens = _find(model, "embed_tokens")
+        model_type = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
+        if self.embed_tokens is None or not self.layers:
+            raise DFlashError(
+                f"unsupported target architecture {model_type!r}: no embed_tokens/layers to share "
+                "with the drafter (supported: Llama, Qwen2, Qwen3, Mistral-style decoders)"
+            )
+        if not can_trim_prompt_cache(make_prompt_cache(model)):
+            raise DFlashError(
+                f"unsupported target architecture {model_type!r}: its cache cannot be rolled back "
+                "after a rejected block (recurrent or rotating layers); use a pure-attention target"
+            )
+        bad = [i for i in self.layer_ids if not 0 <= i < len(self.layers)]
+        if bad:
+            raise DFlashError(
+                f"drafter target_layer_ids {bad} out of range for a target with {len(self.layers)} "
+                "layers: the drafter was trained for a different target"
+            )
+        head = getattr(model, "lm_head", None)
+        self.lm_head = head if head is not None else self.embed_tokens.as_linear
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.args.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.args.hidden_size
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.embed_tokens(tokens)
+
+    def make_cache(self) -> list:
+        return make_prompt_cache(self.model)
+
+    def rollback(self, cache: list, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` positions (the rejected proposals)."""
+        if num_tokens:
+            trim_prompt_cache(cache, num_tokens)
+
+    @contextmanager
+    def _tapped(self) -> Iterator[dict[int, list]]:
+        sinks = {i: [] for i in self.layer_ids}
+        originals = {i: self.layers[i] for i in sinks}
+        for i, sink in sinks.items():
+            self.layers[i] = _Tap(originals[i], sink)
+        try:
+            yield sinks
+        finally:
+            for i, layer in originals.items():
+                self.layers[i] = layer
+
+    def __call__(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
+        """Logits (1, L, V) and captured hidden states (1, L, k*H) for ``tokens`` (1, L)."""
+        with self._tapped() as sinks:
+            logits = self.model(tokens, cache=cache)
+        hidden = mx.concatenate([sinks[i][0] for i in self.layer_ids], axis=-1)
+        return logits, hidden
+
+    def prefill(
+        self, prompt: mx.array, cache: list, step_size: int = 2048
+    ) -> tuple[mx.array, mx.array]:
+        """Run the prompt through the target in chunks, as mlx_lm does.
+
+        Returns the last row's logits (1, V) and the hidden states of all prompt
+        rows (1, P, k*H), the drafter's first context.
+        """
+        hidden = []
+        rest = prompt
+        while rest.size > 1:
+            chunk, rest = rest[: min(step_size, rest.size - 1)], rest[min(step_size, rest.size - 1) :]
+            _, h = self(chunk[None], cache)
+            mx.eval(h, [c.state for c in cache])
+            hidden.append(h)
+        logits, h = self(rest[None], cache)
+        hidden.append(h)
+        return logits[:, -1], mx.concatenate(hidden, axis=1)
