@@ -7,8 +7,12 @@ used instead when Metal is available; ``kernel_path()`` says which one ran.
 
 from __future__ import annotations
 
+import functools
+import importlib.resources
+import warnings
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
@@ -95,9 +99,177 @@ def rejection_accept_twin(
     ok = (uniforms[: B - 1] * qx < px).astype(mx.int32)
     n = mx.cumprod(ok).sum() if B > 1 else mx.array(0, mx.int32)
     q_pad = mx.concatenate([q, mx.zeros((1, p.shape[1]), q.dtype)])
-    residual = mx.maximum(p[n] - q_pad[n], 0)
-    residual = mx.where(residual.sum() > 0, residual, p[n])
+    # fp32 so that a half-precision CDF over a large vocabulary does not stall.
+    p_n = p[n].astype(mx.float32)
+    residual = mx.maximum(p_n - q_pad[n].astype(mx.float32), 0)
+    residual = mx.where(residual.sum() > 0, residual, p_n)
     return _commit(proposals, n, _inverse_cdf(residual, uniforms[B - 1]))
+
+
+
+# -- Metal kernels ------------------------------------------------------------
+#
+# Each op is planned into a ``Launch`` (the arguments of one metal_kernel call)
+# and handed to a runner: real Metal here, a CPU emulation in the tests. Sharing
+# the plan is what lets Linux CI vouch for the dispatches a Mac will make.
+
+ATTENTION_SIMDGROUPS = 4
+ACCEPT_THREADS = 512
+HEAD_DIMS = (64, 128)
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+# kernel name -> (input names, output names); sources are metal/<name>.metal.
+SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "block_attention": (("q", "k", "v", "params", "scale"), ("out",)),
+    "greedy_accept": (("logits", "proposals", "params"), ("tokens", "num_accepted")),
+    "rejection_accept": (
+        ("p", "q", "proposals", "uniforms", "params"),
+        ("tokens", "num_accepted"),
+    ),
+}
+HEADER = "dflash.h"
+
+
+class KernelUnsupported(ValueError):
+    """Inputs a Metal kernel does not handle; the op falls back to its twin."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One dispatch: the arguments of an ``mx.fast.metal_kernel`` call."""
+
+    kernel: str
+    inputs: tuple[mx.array, ...]
+    template: tuple[tuple[str, object], ...]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: tuple[tuple[int, ...], ...]
+    output_dtypes: tuple[mx.Dtype, ...]
+
+
+Runner = Callable[[Launch], Sequence[mx.array]]
+
+
+def metal_source(filename: str) -> str:
+    """Text of a file in ``metal/`` (the ``dflash_mlx.metal`` package once installed)."""
+    try:
+        return importlib.resources.files("dflash_mlx.metal").joinpath(filename).read_text()
+    except ModuleNotFoundError:
+        # A plain source checkout has no dflash_mlx.metal: the package-dir
+        # mapping only exists once setuptools has installed the project.
+        return (Path(__file__).resolve().parent.parent / "metal" / filename).read_text()
+
+
+@functools.cache
+def _kernel(name: str) -> Callable:
+    input_names, output_names = SIGNATURES[name]
+    return mx.fast.metal_kernel(
+        name=f"dflash_{name}",
+        input_names=list(input_names),
+        output_names=list(output_names),
+        source=metal_source(f"{name}.metal"),
+        header=metal_source(HEADER),
+    )
+
+
+def run_metal(launch: Launch, verbose: bool = False) -> list[mx.array]:
+    """Dispatch ``launch``; ``verbose`` prints the generated source (works while tracing)."""
+    return _kernel(launch.kernel)(
+        inputs=list(launch.inputs),
+        template=list(launch.template),
+        grid=launch.grid,
+        threadgroup=launch.threadgroup,
+        output_shapes=list(launch.output_shapes),
+        output_dtypes=list(launch.output_dtypes),
+        verbose=verbose,
+    )
+
+
+def _check_dtype(*arrays: mx.array) -> mx.Dtype:
+    dtype = arrays[0].dtype
+    if dtype not in DTYPES or any(a.dtype != dtype for a in arrays):
+        raise KernelUnsupported(f"dtypes {[a.dtype for a in arrays]}: need one of {DTYPES}")
+    return dtype
+
+
+def _padded_proposals(proposals: mx.array) -> mx.array:
+    # One spare entry keeps the buffer non-empty when B == 1.
+    return mx.concatenate([proposals.astype(mx.int32), mx.zeros((1,), mx.int32)])
+
+
+def plan_block_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    simdgroups: int = ATTENTION_SIMDGROUPS,
+) -> Launch:
+    """Launch of metal/block_attention.metal; same contract as ``block_attention_twin``."""
+    dtype = _check_dtype(q, k, v)
+    _, n_heads, L, D = q.shape
+    _, n_kv_heads, S, _ = k.shape
+    if q.shape[0] != 1 or k.shape != v.shape or k.shape[0] != 1 or k.shape[3] != D:
+        raise KernelUnsupported(f"shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    if D not in HEAD_DIMS:
+        raise KernelUnsupported(f"head_dim {D}: the kernel supports {HEAD_DIMS}")
+    if n_heads % n_kv_heads or L > S:
+        raise KernelUnsupported(f"{n_heads} heads over {n_kv_heads} kv heads, L={L}, S={S}")
+    if sliding_window is not None and sliding_window < 1:
+        raise KernelUnsupported(f"sliding_window {sliding_window}")
+    params = mx.array([L, S, n_heads // n_kv_heads, sliding_window or 0], mx.int32)
+    return Launch(
+        "block_attention",
+        (q, k, v, params, mx.array([scale], mx.float32)),
+        (("T", dtype), ("D", D), ("NSG", simdgroups)),
+        (32 * simdgroups * L, n_heads, 1),
+        (32 * simdgroups, 1, 1),
+        (q.shape,),
+        (dtype,),
+    )
+
+
+def plan_greedy_accept(
+    logits: mx.array, proposals: mx.array, *, threads: int = ACCEPT_THREADS
+) -> Launch:
+    """Launch of metal/greedy_accept.metal; same contract as ``greedy_accept_twin``."""
+    dtype = _check_dtype(logits)
+    B, V = logits.shape
+    return Launch(
+        "greedy_accept",
+        (logits, _padded_proposals(proposals), mx.array([B, V], mx.int32)),
+        (("T", dtype), ("NT", threads)),
+        (threads, 1, 1),
+        (threads, 1, 1),
+        ((B,), ()),
+        (mx.int32, mx.int32),
+    )
+
+
+def plan_rejection_accept(
+    p: mx.array,
+    q: mx.array,
+    proposals: mx.array,
+    uniforms: mx.array,
+    *,
+    threads: int = ACCEPT_THREADS,
+) -> Launch:
+    """Launch of metal/rejection_accept.metal; same contract as ``rejection_accept_twin``."""
+    B, V = p.shape
+    # With B == 1 the kernel never reads q, but Metal needs a non-empty buffer.
+    q = q.astype(p.dtype) if B > 1 else p[:1]
+    dtype = _check_dtype(p, q)
+    inputs = (p, q, _padded_proposals(proposals), uniforms.astype(mx.float32))
+    return Launch(
+        "rejection_accept",
+        inputs + (mx.array([B, V], mx.int32),),
+        (("T", dtype), ("NT", threads)),
+        (threads, 1, 1),
+        (threads, 1, 1),
+        ((B,), ()),
+        (mx.int32, mx.int32),
+    )
 
 
 @dataclass(frozen=True)
@@ -120,8 +292,58 @@ TWINS = KernelOps(
 )
 
 
+def make_ops(
+    path: str,
+    run: Runner,
+    *,
+    attention_simdgroups: int = ATTENTION_SIMDGROUPS,
+    accept_threads: int = ACCEPT_THREADS,
+) -> KernelOps:
+    """KernelOps whose kernels go through ``run``. match_accept stays the twin:
+    it is a few scalar ops on B - 1 tokens, nothing for a kernel to fuse."""
+
+    def block_attention(q, k, v, *, scale, sliding_window):
+        try:
+            launch = plan_block_attention(
+                q, k, v, scale=scale, sliding_window=sliding_window,
+                simdgroups=attention_simdgroups,
+            )
+        except KernelUnsupported as e:
+            warnings.warn(f"block attention falls back to the MLX twin: {e}", stacklevel=2)
+            return block_attention_twin(q, k, v, scale=scale, sliding_window=sliding_window)
+        return run(launch)[0]
+
+    def greedy_accept(logits, proposals):
+        try:
+            launch = plan_greedy_accept(logits, proposals, threads=accept_threads)
+        except KernelUnsupported as e:
+            warnings.warn(f"greedy accept falls back to the MLX twin: {e}", stacklevel=2)
+            return greedy_accept_twin(logits, proposals)
+        tokens, n = run(launch)
+        return tokens, n
+
+    def rejection_accept(p, q, proposals, uniforms):
+        try:
+            launch = plan_rejection_accept(p, q, proposals, uniforms, threads=accept_threads)
+        except KernelUnsupported as e:
+            warnings.warn(f"rejection accept falls back to the MLX twin: {e}", stacklevel=2)
+            return rejection_accept_twin(p, q, proposals, uniforms)
+        tokens, n = run(launch)
+        return tokens, n
+
+    return KernelOps(path, block_attention, greedy_accept, match_accept_twin, rejection_accept)
+
+
+@functools.cache
+def _metal_ops() -> KernelOps:
+    return make_ops("metal", run_metal)
+
+
 def get_ops(use_metal: bool | None = None) -> KernelOps:
     """Metal kernels when available (``None``: auto), else the pure-MLX twins."""
-    if use_metal and not mx.metal.is_available():
+    available = mx.metal.is_available()
+    if use_metal and not available:
         raise RuntimeError("Metal kernels were requested but Metal is not available")
-    return TWINS
+    if use_metal is False or not available:
+        return TWINS
+    return _metal_ops()
