@@ -17,6 +17,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from .errors import DFlashError
 from .kernels import KernelOps
 
 Sampler = Callable[[mx.array], mx.array]
@@ -31,7 +32,10 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.temp < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or not 0 <= self.min_p <= 1:
-            raise ValueError("need temp >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p <= 1")
+            raise DFlashError(
+                f"bad sampling settings (temp {self.temp}, top_p {self.top_p}, top_k {self.top_k}, "
+                f"min_p {self.min_p}): need temp >= 0, 0 < top_p <= 1, top_k >= 0, 0 <= min_p <= 1"
+            )
 
 
 def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:

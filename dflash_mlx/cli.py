@@ -1,0 +1,91 @@
+"""``dflash-mlx`` command line: one subcommand per module, flags named like mlx_lm's."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import DFlashError
+
+# subcommand -> (module exposing add_arguments(parser) and run(args), help)
+SUBCOMMANDS = {
+    "generate": ("dflash_mlx.cli", "Generate text with DFlash speculative decoding"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Target model: local folder or Hub repo id")
+    p.add_argument("--draft", required=True, help="DFlash drafter: local folder or Hub repo id")
+    p.add_argument("--prompt", "-p", default="hello", help="Message for the model ('-' reads stdin)")
+    p.add_argument("--system", "--system-prompt", dest="system", help="System prompt")
+    p.add_argument("--max-tokens", "-m", type=int, default=256, help="Maximum tokens to generate")
+    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p")
+    p.add_argument("--top-k", type=int, default=0, help="Sampling top-k (0: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="Sampling min-p (0: off)")
+    p.add_argument("--seed", type=int, default=None, help="Random seed for sampling")
+    p.add_argument("--block-size", type=int, default=None, help="Tokens per draft block (default: the drafter's)")
+    p.add_argument("--extra-eos-token", nargs="*", default=[], help="More stop tokens (strings)")
+    p.add_argument("--ignore-chat-template", action="store_true", help="Feed the prompt as-is")
+    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
+                   help="Print stats after the text (default: True)")
+
+
+def _build_prompt(tokenizer, args: argparse.Namespace) -> str:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.ignore_chat_template or tokenizer.chat_template is None:
+        return prompt if args.system is None else f"{args.system}\n\n{prompt}"
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    import mlx.core as mx
+
+    from .generate import format_stats, load, stream_generate
+
+    model, tokenizer = load(args.model, args.draft)
+    stop_tokens = []
+    for text in args.extra_eos_token:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise DFlashError(f"--extra-eos-token {text!r} is {len(ids)} tokens: give single-token strings")
+        stop_tokens.append(ids[0])
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    response = None
+    for response in stream_generate(
+        model,
+        tokenizer,
+        _build_prompt(tokenizer, args),
+        args.max_tokens,
+        temp=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        block_size=args.block_size,
+        stop_tokens=stop_tokens,
+    ):
+        print(response.text, end="", flush=True)
+    print()
+    if args.verbose:
+        print("=" * 10)
+        print(format_stats(response))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dflash-mlx", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, (module, help) in SUBCOMMANDS.items():
+        modules[name] = importlib.import_module(module)
+        modules[name].add_arguments(sub.add_parser(name, help=help, description=help))
+    args = parser.parse_args(argv)
+    try:
+        modules[args.command].run(args)
+    except DFlashError as e:
+        sys.exit(f"dflash-mlx {args.command}: error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
