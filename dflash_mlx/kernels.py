@@ -160,21 +160,30 @@ def metal_source(filename: str) -> str:
         return (Path(__file__).resolve().parent.parent / "metal" / filename).read_text()
 
 
-@functools.cache
-def _kernel(name: str) -> Callable:
+def build_kernel(name: str, source: str | None = None, header: str | None = None) -> Callable:
+    """The metal_kernel for ``name``; tests pass altered source/header to it."""
     input_names, output_names = SIGNATURES[name]
     return mx.fast.metal_kernel(
         name=f"dflash_{name}",
         input_names=list(input_names),
         output_names=list(output_names),
-        source=metal_source(f"{name}.metal"),
-        header=metal_source(HEADER),
+        source=metal_source(f"{name}.metal") if source is None else source,
+        header=metal_source(HEADER) if header is None else header,
     )
 
 
-def run_metal(launch: Launch, verbose: bool = False) -> list[mx.array]:
-    """Dispatch ``launch``; ``verbose`` prints the generated source (works while tracing)."""
-    return _kernel(launch.kernel)(
+_kernel = functools.cache(build_kernel)
+
+
+def run_metal(
+    launch: Launch, verbose: bool = False, kernel: Callable | None = None
+) -> list[mx.array]:
+    """Dispatch ``launch`` with ``kernel`` (default: built once from metal/).
+
+    ``verbose`` prints the generated source, which also works while tracing.
+    """
+    kernel = kernel or _kernel(launch.kernel)
+    return kernel(
         inputs=list(launch.inputs),
         template=list(launch.template),
         grid=launch.grid,
