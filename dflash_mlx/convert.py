@@ -123,8 +123,9 @@ def _layer_index(path: str) -> Optional[int]:
 
 
 def make_quant_predicate(recipe: dict, model: nn.Module, opts: _Options) -> QuantPredicate:
-    """The mlx_lm `quant_predicate` a recipe describes: False keeps a layer in float, a dict
-    quantizes it with those parameters (mlx_lm then records it per layer in config.json)."""
+    """The mlx_lm `quant_predicate` a recipe describes: False keeps a layer in float, True
+    quantizes it with the command line's settings, a dict with its own (mlx_lm then records
+    those per layer in config.json)."""
     indices = {i for name, _ in model.named_modules() if (i := _layer_index(name + ".")) is not None}
     n_layers = max(indices) + 1 if indices else 0
     rules = [(re.compile(r["pattern"]), r) for r in recipe.get("rules", [])]
@@ -137,8 +138,10 @@ def make_quant_predicate(recipe: dict, model: nn.Module, opts: _Options) -> Quan
         last = int(window.get("last", 0) * n_layers)
         return index < first or index >= n_layers - last
 
+    defaults = {"group_size": opts.group_size, "bits": opts.bits, "mode": opts.mode}
+
     def predicate(path: str, module: nn.Module) -> Union[bool, dict]:
-        params = {"group_size": opts.group_size, "bits": opts.bits, "mode": opts.mode}
+        params = dict(defaults)
         for pattern, rule in rules:
             if pattern.search(path) and in_window(rule, path):
                 if rule.get("keep"):
@@ -147,7 +150,8 @@ def make_quant_predicate(recipe: dict, model: nn.Module, opts: _Options) -> Quan
                 break
         if module.weight.shape[-1] % params["group_size"]:
             return False
-        return params
+        # True (not an equal dict) keeps config.json free of per-layer entries that say nothing.
+        return True if params == defaults else params
 
     return predicate
 

