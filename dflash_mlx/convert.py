@@ -370,7 +370,7 @@ def _convert_drafter(src: Path, config: dict, out: Path, opts: _Options, recipe:
         save_model_files(out, model, config)
         return ConversionResult(out, "drafter", str(src), ..., config.get("quantization"), bpw, weights_size(out))
 
-    and a drafter check in `_verify` (load_drafter(out) + one forward on random context rows).
+    and, next to verify_target, a drafter check: load_drafter(out) + one forward on random context rows.
     """
     raise DFlashError(
         f"{src} is a DFlash drafter; drafter conversion is not wired yet; fix: use the released "

@@ -225,8 +225,11 @@ class GGUFFile:
             )
         try:
             backend, _ = convert_gguf_tokenizer(self.architecture, spec)
-        except ValueError as e:
-            raise DFlashError(f"cannot rebuild the tokenizer of {self.path.name}: {e}") from None
+        except (ValueError, KeyError) as e:
+            raise DFlashError(
+                f"cannot rebuild the tokenizer of {self.path.name} ({type(e).__name__}: {e}); "
+                "fix: use a GGUF exported with its full tokenizer metadata"
+            ) from None
         tokens = spec["tokens"]
         specials = {
             role: tokens[spec[key]]

@@ -362,3 +362,64 @@ def test_destination_inside_source_is_refused(tmp_path):
         convert(str(tmp_path / "src"), str(tmp_path / "src" / "mlx"))
     assert not (tmp_path / "src" / "mlx").exists()
     assert _leftovers(tmp_path / "src") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files written here from random mlx_lm models, the way llama.cpp's exporter writes them
+
+
+_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+            "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+            "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+            "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # convert_hf_to_gguf.py's LlamaModel.permute, restated
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf_from_mlx(path: Path, model: nn.Module, arch: str) -> None:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("block_count", 8), ("context_length", 512), ("embedding_length", 64),
+                       ("feed_forward_length", 128), ("head_count", 4), ("head_count_kv", 2)):
+        getattr(writer, f"add_{key}")(value)
+    writer.add_key_length(16)
+    writer.add_value_length(16)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(list(bytes_to_unicode().values()))
+    writer.add_token_scores([0.0] * 256)  # no merges: single-byte tokens only
+    writer.add_eos_token_id(0)
+    for name, value in tree_flatten(model.parameters()):
+        w = np.array(value)
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                w = _llama_cpp_permute(w, 4 if "q_proj" in module else 2)
+            gguf_name = f"blk.{i}.{_TO_GGUF[module]}.{kind}"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        writer.add_tensor(gguf_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_gguf_roundtrip_of_random_model(tmp_path, model_type):
+    from mlx_lm import load
+
+    original = make_hf_model(tmp_path / "hf", model_type)
+    write_gguf_from_mlx(tmp_path / "m.gguf", original, model_type)
+    convert(str(tmp_path / "m.gguf"), str(tmp_path / "out"))
+    model, tokenizer = load(str(tmp_path / "out"))
+    tokens = mx.array([tokenizer.encode("Hello world")])
+    assert tokens.shape[1] == len("Hello world")  # byte-level vocabulary without merges
+    assert mx.allclose(model(tokens), original(tokens), atol=1e-5)
