@@ -127,21 +127,39 @@ def harness_program(source: str) -> str:
     )
 
 
-def compile_program(program: str) -> Path:
-    """Build (once per distinct program, cached across sessions) and return the binary."""
-    key = hashlib.sha256((program + EMU.read_text()).encode()).hexdigest()[:20]
-    binary = CACHE / f"kernel_{key}"
-    if binary.exists():
-        return binary
-    CACHE.mkdir(parents=True, exist_ok=True)
-    src = CACHE / f"kernel_{key}.cpp"
-    src.write_text(program)
-    tmp = CACHE / f"kernel_{key}.{os.getpid()}.tmp"
-    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-Wno-attributes", f"-I{HERE}", str(src), "-o", str(tmp)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+CXXFLAGS = ["-std=c++20", "-O1", "-pthread", "-Wno-attributes"]
+
+
+def _build(cmd: list[str], output: Path) -> None:
+    tmp = output.with_name(f"{output.name}.{os.getpid()}.tmp")
+    result = subprocess.run([*cmd, "-o", str(tmp)], capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"harness compile failed:\n{result.stderr}")
-    tmp.replace(binary)  # atomic: concurrent sessions never see half a binary
+    tmp.replace(output)  # atomic: concurrent sessions never see half a file
+
+
+@functools.cache
+def _pch_dir() -> Path:
+    """A precompiled metal_emu.h: halves each kernel's compile (std headers)."""
+    key = hashlib.sha256((EMU.read_text() + str(CXXFLAGS)).encode()).hexdigest()[:20]
+    pch_dir = CACHE / f"pch_{key}"
+    pch = pch_dir / "metal_emu.h.gch"
+    if not pch.exists():
+        pch_dir.mkdir(parents=True, exist_ok=True)
+        _build(["g++", *CXXFLAGS, "-x", "c++-header", str(EMU)], pch)
+    return pch_dir
+
+
+def compile_program(program: str) -> Path:
+    """Build (once per distinct program, cached across sessions) and return the binary."""
+    key = hashlib.sha256((program + EMU.read_text() + str(CXXFLAGS)).encode()).hexdigest()[:20]
+    binary = CACHE / f"kernel_{key}"
+    if not binary.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        src = CACHE / f"kernel_{key}.cpp"
+        src.write_text(program)
+        # g++ takes metal_emu.h.gch from the first include dir holding it.
+        _build(["g++", *CXXFLAGS, f"-I{_pch_dir()}", f"-I{HERE}", str(src)], binary)
     return binary
 
 
@@ -163,10 +181,12 @@ def _from_bytes(raw: bytes, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array
 POISON = 0xA5
 
 
-def run(launch: kernels.Launch, source: str | None = None) -> list[mx.array]:
+def run(
+    launch: kernels.Launch, source: str | None = None, header: str | None = None
+) -> list[mx.array]:
     """A Runner (see kernels.make_ops) executing the kernel in the CPU harness;
-    ``source`` replaces the kernel body from metal/."""
-    binary = compile_program(harness_program(generated_source(launch, source)))
+    ``source``/``header`` replace the files from metal/."""
+    binary = compile_program(harness_program(generated_source(launch, source, header)))
     inputs = [_to_bytes(a) for a in launch.inputs]
     outputs = [
         bytes([POISON]) * (int(np.prod(shape, dtype=np.int64)) * dtype.size)

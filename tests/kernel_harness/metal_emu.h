@@ -3,8 +3,6 @@
 // functions emulated by exchanging values through the simdgroup's slots.
 // Threadgroups run one after another, so function-scope statics (what the
 // harness turns threadgroup declarations into) act as threadgroup memory.
-#pragma once
-
 #include <array>
 #include <barrier>
 #include <cmath>
