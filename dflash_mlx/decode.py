@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
 
 import mlx.core as mx
 
@@ -21,6 +21,49 @@ class Step:
     accepted: int  # how many of them were drafted
     draft_seconds: float = 0.0  # only measured with profile=True (costs one extra sync)
     verify_seconds: float = 0.0
+    block_size: int = 0  # rows verified this step (1: plain decoding, no draft)
+
+
+class BlockPolicy(Protocol):
+    """Chooses each step's block size from what earlier steps accepted."""
+
+    def next_block_size(self) -> int: ...
+
+    def observe(self, block_size: int, accepted: int) -> None: ...
+
+
+@dataclass
+class DecodeCache:
+    """Target and drafter caches of one conversation, reusable across turns.
+
+    ``tokens`` are the tokens whose K/V the target cache holds, in order. Passing
+    the same object to the next ``speculative_decode`` whose prompt extends them
+    (the next chat turn) prefills only the new suffix.
+    """
+
+    cache: list
+    draft_cache: list
+    tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, target: Target, drafter: Drafter, draft_window: tuple[int, int] | None = None) -> "DecodeCache":
+        return cls(target.make_cache(), drafter.make_cache(draft_window))
+
+    def reuse(self, prompt: list[int], target: Target) -> int:
+        """Trim both caches to the longest prefix of ``prompt`` they hold; return its length.
+
+        The drafter lags the target by the last step's context rows, and the last
+        prompt token must be run to get logits, so both bound the reusable prefix.
+        """
+        limit = min(len(self.tokens), len(prompt) - 1, self.draft_cache[0].offset)
+        n = 0
+        while n < limit and self.tokens[n] == prompt[n]:
+            n += 1
+        target.rollback(self.cache, len(self.tokens) - n)
+        for c in self.draft_cache:
+            c.trim(c.offset - n)
+        del self.tokens[n:]
+        return n
 
 
 def _process(processors: list[LogitsProcessor], history: mx.array, block: mx.array, logits: mx.array) -> mx.array:
@@ -40,11 +83,12 @@ def speculative_decode(
     drafter: Drafter,
     strategy: Strategy,
     *,
-    block_size: int,
+    block_size: int | BlockPolicy,
     max_tokens: int,
     logits_processors: list[LogitsProcessor] | None = None,
     prefill_step_size: int = 2048,
     profile: bool = False,
+    prompt_cache: DecodeCache | None = None,
 ) -> Iterator[Step]:
     """Yield the committed tokens of each step until ``max_tokens`` are produced.
 
@@ -53,23 +97,32 @@ def speculative_decode(
     proposals]`` in one forward; the accepted prefix plus one target token is
     committed; the target cache drops the rejected rows and the drafter gets the
     hidden states of the committed rows as new context. One host sync per step.
+
+    ``block_size`` is fixed or a ``BlockPolicy`` asked every step. ``prompt_cache``
+    carries the caches over from an earlier call; it is updated in place after
+    every step, so it stays valid when the caller stops early.
     """
     processors = logits_processors or []
     ops = strategy.ops
-    cache, draft_cache = target.make_cache(), drafter.make_cache()
+    policy = None if isinstance(block_size, int) else block_size
+    state = prompt_cache if prompt_cache is not None else DecodeCache.new(target, drafter)
+    cache, draft_cache = state.cache, state.draft_cache
     mask = mx.array([drafter.args.mask_token_id], mx.int32)
 
-    logits, context = target.prefill(prompt, cache, prefill_step_size)
+    start = state.reuse(prompt.tolist(), target)
+    logits, context = target.prefill(prompt[start:], cache, prefill_step_size)
+    state.tokens.extend(prompt[start:].tolist())
     history = prompt
     if processors:
         logits = _process(processors, prompt[:-1], prompt[-1:], logits)
     anchor = strategy.first(logits).reshape(1)
-    yield Step([anchor.item()], 0)
+    last = anchor.item()
+    yield Step([last], 0)
     produced = 1
 
     while produced < max_tokens:
         tic = time.perf_counter()
-        B = min(block_size, max_tokens - produced)
+        B = min(policy.next_block_size() if policy else block_size, max_tokens - produced)
         if B > 1:
             block = mx.concatenate([anchor, mx.repeat(mask, B - 1)])
             draft_logits = drafter(target.embed(block)[None], context, draft_cache, target.lm_head, ops)
@@ -88,10 +141,17 @@ def speculative_decode(
         mx.eval(tokens, n)
         n = n.item()
         target.rollback(cache, B - 1 - n)
-        context = hidden[:, : n + 1]
+        committed = tokens[: n + 1].tolist()
+        state.tokens += [last] + committed[:n]
+        last = committed[-1]
+        # Without a draft this step, the drafter has not consumed the pending context yet.
+        new_context = hidden[:, : n + 1]
+        context = new_context if B > 1 else mx.concatenate([context, new_context], axis=1)
         if processors:
             history = mx.concatenate([history, block[: n + 1]])
         anchor = tokens[n : n + 1]
         produced += n + 1
+        if policy:
+            policy.observe(B, n)
         done = time.perf_counter()
-        yield Step(tokens[: n + 1].tolist(), n, drafted - tic, done - drafted)
+        yield Step(committed, n, drafted - tic, done - drafted, B)

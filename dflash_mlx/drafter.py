@@ -135,6 +135,51 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
 
 
+class ContextWindowCache:
+    """Drafter context K/V bounded to the first ``keep`` and the last ``recent`` rows.
+
+    ``offset`` still counts every position seen, so new rows get their true
+    absolute RoPE position; only storage is bounded. Rows dropped from the middle
+    change what the drafter sees (its acceptance), never the committed output.
+    Sliding-window layers mask by row index, which stays exact because the last
+    ``recent >= sliding_window`` rows are contiguous.
+    """
+
+    def __init__(self, keep: int, recent: int):
+        self.keep, self.recent = keep, recent
+        self.keys = self.values = None
+        self.offset = 0
+        self.head = 0  # stored rows that are positions 0..head-1; the rest end at offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2]
+        if self.keys.shape[2] == self.offset:  # nothing dropped yet: storage starts at 0
+            self.head = min(self.keep, self.offset)
+        return self.keys, self.values
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` positions, then shed middle rows beyond the window."""
+        n = min(n, self.offset)
+        if self.keys is None:
+            return 0
+        self.offset -= n
+        tail = self.keys.shape[2] - self.head
+        if n <= tail:
+            stored = self.keys.shape[2] - n
+        else:  # trimmed past the stored tail: only start rows before offset survive
+            self.head = stored = min(self.head, self.offset)
+        excess = stored - self.head - self.recent
+        keep = [slice(0, self.head), slice(self.head + max(excess, 0), stored)]
+        self.keys = mx.concatenate([self.keys[:, :, s] for s in keep], axis=2)
+        self.values = mx.concatenate([self.values[:, :, s] for s in keep], axis=2)
+        return n
+
+
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -169,8 +214,23 @@ class Drafter(nn.Module):
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self, window: tuple[int, int] | None = None) -> list:
+        """Context caches, one per layer; ``window=(keep, recent)`` bounds them.
+
+        Unbounded, every drafter forward attends over the whole prompt, so its
+        cost grows with context while acceptance does not improve. A windowed
+        cache keeps the first ``keep`` rows and the last ``recent`` ones.
+        """
+        if window is None:
+            return [KVCache() for _ in self.layers]
+        keep, recent = window
+        sliding = max((a.self_attn.sliding_window or 0 for a in self.layers), default=0)
+        if keep < 0 or recent < max(1, sliding):
+            raise DFlashError(
+                f"drafter window keep={keep} recent={recent} is invalid: need keep >= 0 and "
+                f"recent >= {max(1, sliding)} (the drafter's sliding window)"
+            )
+        return [ContextWindowCache(keep, recent) for _ in self.layers]
 
     def __call__(
         self,
