@@ -212,3 +212,45 @@ def test_poisoned_outputs_expose_unwritten_tokens() -> None:
     assert kernels.greedy_accept_twin(logits, proposals)[0].tolist()[2:] == [0, 0, 0]
     tokens = H.run(launch, lazy)[0].tolist()
     assert tokens[2:] == [int(np.frombuffer(bytes([H.POISON] * 4), np.int32)[0])] * 3, tokens
+
+
+# -- a few decode steps through the harness -----------------------------------
+
+
+def _speculative_greedy(ops: kernels.KernelOps, steps: int, B: int = 4) -> list[int]:
+    """Toy draft-verify loop: the target's next token is argmax(W[prev]); the
+    drafter perturbs that chain with block attention over its context, so some
+    proposals are right and some are not."""
+    V, D, heads = 97, 64, 2
+    key = mx.random.key(0)
+    kw, ke, kp = mx.random.split(key, 3)
+    W = mx.random.normal((V, V), key=kw)
+    E = mx.random.normal((V, heads * D), key=ke)
+    P = mx.random.normal((D, V), key=kp) * 0.3
+    tokens = [5]
+    for _ in range(steps):
+        context = E[mx.array(tokens)].reshape(len(tokens), heads, D).transpose(1, 0, 2)[None]
+        block = mx.broadcast_to(E[:1].reshape(1, heads, 1, D), (1, heads, B - 1, D))
+        kv = mx.concatenate([context, block], axis=2)
+        attn = ops.block_attention(block, kv, kv, scale=D**-0.5, sliding_window=3)
+        noise = attn[0].mean(axis=0) @ P  # (B - 1, V)
+        proposals, prev = [], tokens[-1]
+        for i in range(B - 1):
+            prev = int(mx.argmax(W[prev] + noise[i]))
+            proposals.append(prev)
+        rows = W[mx.array([tokens[-1], *proposals])]
+        out, n = ops.greedy_accept(rows, mx.array(proposals, mx.int32))
+        tokens += out.tolist()[: int(n) + 1]
+    return tokens
+
+
+def test_greedy_decode_steps_through_harness_match_twins_and_plain_greedy() -> None:
+    got = _speculative_greedy(OPS, steps=4)
+    assert got == _speculative_greedy(kernels.TWINS, steps=4)
+    key = mx.random.key(0)
+    W = mx.random.normal((97, 97), key=mx.random.split(key, 3)[0])
+    plain = [5]
+    while len(plain) < len(got):
+        plain.append(int(mx.argmax(W[plain[-1]])))
+    assert got == plain
+    assert len(got) > 1 + 4  # some proposal was accepted at least once

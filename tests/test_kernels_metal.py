@@ -1,0 +1,72 @@
+"""Real Metal kernels against the twins (macOS with Metal only), and the
+backend selection everywhere."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx import kernels
+
+needs_metal = pytest.mark.skipif(
+    not mx.metal.is_available(), reason="Metal is not available (kernels run on a Mac only)"
+)
+
+
+def test_get_ops_selects_backend() -> None:
+    assert kernels.get_ops(False) is kernels.TWINS
+    if mx.metal.is_available():
+        assert kernels.get_ops(None).path == "metal"
+        assert kernels.get_ops(None) is kernels.get_ops(True)  # built once
+    else:
+        assert kernels.get_ops(None).path == "mlx"
+        with pytest.raises(RuntimeError, match="not available"):
+            kernels.get_ops(True)
+
+
+@needs_metal
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("window", [None, 1, 7, 4096])
+def test_metal_block_attention(dtype, D, window) -> None:
+    mx.random.seed(D)
+    q = mx.random.normal((1, 8, 16, D)).astype(dtype)
+    k = mx.random.normal((1, 2, 300, D)).astype(dtype)
+    v = mx.random.normal((1, 2, 300, D)).astype(dtype)
+    ops = kernels.get_ops(True)
+    got = ops.block_attention(q, k, v, scale=D**-0.5, sliding_window=window)
+    want = kernels.block_attention_twin(q, k, v, scale=D**-0.5, sliding_window=window)
+    tol = 2e-5 if dtype == mx.float32 else 3e-2
+    assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < tol
+
+
+@needs_metal
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("B, V", [(1, 5), (4, 1000), (16, 151_936)])
+def test_metal_greedy_accept(dtype, B, V) -> None:
+    rng = np.random.default_rng(B)
+    logits = mx.array(rng.integers(-4, 4, (B, V)).astype(np.float32)).astype(dtype)
+    target = mx.argmax(logits, axis=-1).astype(mx.int32)
+    ops = kernels.get_ops(True)
+    for n_correct in {0, B // 2, B - 1}:
+        proposals = target[: B - 1]
+        if n_correct < B - 1:
+            proposals = mx.where(mx.arange(B - 1) == n_correct, (proposals + 1) % V, proposals)
+        got = ops.greedy_accept(logits, proposals)
+        want = kernels.greedy_accept_twin(logits, proposals)
+        assert int(got[1]) == int(want[1]) and got[0].tolist() == want[0].tolist()
+
+
+@needs_metal
+@pytest.mark.parametrize("seed", range(5))
+def test_metal_rejection_accept(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    B, V = 8, 32_000
+    p = mx.softmax(mx.array(rng.standard_normal((B, V)).astype(np.float32) * 3), axis=-1)
+    q = mx.softmax(mx.array(rng.standard_normal((B - 1, V)).astype(np.float32) * 3), axis=-1)
+    proposals = mx.argmax(q, axis=-1).astype(mx.int32)
+    uniforms = mx.array(rng.random(B).astype(np.float32))
+    got = kernels.get_ops(True).rejection_accept(p, q, proposals, uniforms)
+    want = kernels.rejection_accept_twin(p, q, proposals, uniforms)
+    assert int(got[1]) == int(want[1]) and got[0].tolist() == want[0].tolist()
