@@ -128,7 +128,7 @@ def speculative_decode(
             draft_logits = drafter(target.embed(block)[None], context, draft_cache, target.lm_head, ops)
             proposals, q = strategy.propose(draft_logits)
         else:
-            proposals, q = mx.zeros((0,), mx.int32), None
+            proposals, q = mx.zeros((0,), mx.int32), mx.zeros((0, target.vocab_size))
         if profile:
             mx.eval(proposals)
         drafted = time.perf_counter()
