@@ -1,0 +1,139 @@
+"""The drafter: its math, its cache, and every checkpoint form it loads from."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from tiny import TARGETS, drafter_config, save_drafter
+
+from dflash_mlx.drafter import default_target_layer_ids, load_drafter
+from dflash_mlx.kernels import get_ops
+
+OPS = get_ops(False)
+H = 64
+
+
+def rope(x, positions, base):
+    """Plain split-half RoPE on (heads, rows, D) at explicit positions."""
+    d = x.shape[-1] // 2
+    freqs = base ** (-mx.arange(d) / d)
+    angles = positions[:, None] * freqs[None]
+    cos, sin = mx.cos(angles), mx.sin(angles)
+    x1, x2 = x[..., :d], x[..., d:]
+    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def reference_forward(drafter, block_emb, context_hidden, lm_head):
+    """Written from the paper's description, with no cache and explicit positions."""
+    a = drafter.args
+    ctx = drafter.hidden_norm(drafter.fc(context_hidden[0]))
+    n, L = ctx.shape[0], block_emb.shape[1]
+    kv_pos, q_pos = mx.arange(n + L).astype(mx.float32), mx.arange(n, n + L).astype(mx.float32)
+    h = block_emb[0]
+    for i, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        kv_in = mx.concatenate([ctx, x])
+        q = attn.q_norm(attn.q_proj(x).reshape(L, a.num_attention_heads, -1)).transpose(1, 0, 2)
+        k = attn.k_norm(attn.k_proj(kv_in).reshape(n + L, a.num_key_value_heads, -1)).transpose(1, 0, 2)
+        v = attn.v_proj(kv_in).reshape(n + L, a.num_key_value_heads, -1).transpose(1, 0, 2)
+        q, k = rope(q, q_pos, a.rope_theta), rope(k, kv_pos, a.rope_theta)
+        groups = a.num_attention_heads // a.num_key_value_heads
+        k, v = mx.repeat(k, groups, axis=0), mx.repeat(v, groups, axis=0)
+        scores = (q @ k.transpose(0, 2, 1)) * a.head_dim**-0.5
+        window = a.sliding_window_of(i)
+        if window is not None:
+            visible = (kv_pos[None] <= q_pos[:, None]) & (q_pos[:, None] - kv_pos[None] < window)
+            scores = mx.where(visible, scores, -mx.inf)
+        out = (mx.softmax(scores, axis=-1) @ v).transpose(1, 0, 2).reshape(L, -1)
+        h = h + attn.o_proj(out)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return lm_head(drafter.norm(h)[1:])
+
+
+@pytest.fixture
+def head():
+    mx.random.seed(5)
+    return nn.Linear(H, 100, bias=False)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_forward_matches_reference_and_cache_is_incremental(tmp_path, head, sliding):
+    extra = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5} if sliding else {}
+    drafter = load_drafter(str(save_drafter(tmp_path / "d", drafter_config(TARGETS["qwen3"], **extra))))
+    mx.random.seed(0)
+    context = mx.random.normal((1, 11, 2 * H))
+    block = mx.random.normal((1, 8, H))
+    expected = reference_forward(drafter, block, context, head)
+
+    cache = drafter.make_cache()
+    at_once = drafter(block, context, cache, head, OPS)
+    assert cache[0].offset == 11  # only the context stays cached
+    np.testing.assert_allclose(np.array(at_once), np.array(expected), atol=1e-4, rtol=1e-4)
+
+    # The same context fed over two steps (as the decode loop does) gives the same block.
+    cache = drafter.make_cache()
+    drafter(block, context[:, :7], cache, head, OPS)
+    in_steps = drafter(block, context[:, 7:], cache, head, OPS)
+    np.testing.assert_allclose(np.array(in_steps), np.array(expected), atol=1e-4, rtol=1e-4)
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B's released drafter
+    assert default_target_layer_ids(28, 1) == [14]
+    config = drafter_config(TARGETS["qwen3"], num_hidden_layers=3)
+    assert "target_layer_ids" not in config["dflash_config"]
+
+
+def test_released_bf16_sharded_checkpoint_loads(tmp_path, head):
+    config = drafter_config(TARGETS["qwen3"])
+    fp32 = load_drafter(str(save_drafter(tmp_path / "fp32", config)))
+    bf16 = save_drafter(tmp_path / "bf16", config, dtype=mx.bfloat16)
+    # Split into two shards the way sharded releases are laid out.
+    weights = mx.load(str(bf16 / "model.safetensors"))
+    names = sorted(weights)
+    (bf16 / "model.safetensors").unlink()
+    for i, part in enumerate([names[::2], names[1::2]]):
+        mx.save_safetensors(str(bf16 / f"model-0000{i + 1}-of-00002.safetensors"), {k: weights[k] for k in part})
+    drafter = load_drafter(str(bf16), dtype=mx.float32)
+    assert drafter.fc.weight.dtype == mx.float32
+    mx.random.seed(0)
+    context, block = mx.random.normal((1, 6, 2 * H)), mx.random.normal((1, 4, H))
+    a = fp32(block, context, fp32.make_cache(), head, OPS)
+    b = drafter(block, context, drafter.make_cache(), head, OPS)
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=0.1)  # bf16 weight rounding only
+
+
+def test_mlx_quantized_checkpoint_loads(tmp_path, head):
+    config = drafter_config(TARGETS["qwen3"])
+    src = save_drafter(tmp_path / "fp32", config)
+    drafter = load_drafter(str(src))
+    nn.quantize(drafter, group_size=32, bits=8, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+    out = tmp_path / "q8"
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(drafter.parameters())))
+    (out / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 8}}))
+    loaded = load_drafter(str(out))
+    assert isinstance(loaded.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    mx.random.seed(0)
+    context, block = mx.random.normal((1, 6, 2 * H)), mx.random.normal((1, 4, H))
+    reference = load_drafter(str(src))
+    a = reference(block, context, reference.make_cache(), head, OPS)
+    b = loaded(block, context, loaded.make_cache(), head, OPS)
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=0.05)
+
+
+def test_weights_not_matching_config_are_refused(tmp_path):
+    from dflash_mlx.errors import DFlashError
+
+    src = save_drafter(tmp_path / "d", drafter_config(TARGETS["qwen3"]))
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(DFlashError, match="do not match its config.json"):
+        load_drafter(str(bad))
