@@ -12,7 +12,8 @@ import mlx_lm
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import kernels
-from .decode import LogitsProcessor, speculative_decode
+from .adaptive import CostCurve, make_policy
+from .decode import DecodeCache, LogitsProcessor, speculative_decode
 from .checkpoint import read_config, resolve
 from .drafter import Drafter, load_drafter
 from .errors import DFlashError
@@ -28,6 +29,7 @@ class DFlashModel:
 
     target: Target
     drafter: Drafter
+    cost_curve: CostCurve | None = None  # measured on first adaptive use (see adaptive.py)
 
     @property
     def block_size(self) -> int:
@@ -82,13 +84,24 @@ def load(model: str, draft: str) -> tuple[DFlashModel, TokenizerWrapper]:
 class SpeculativeStats:
     """Acceptance record of one generation. tau counts the target's own token."""
 
-    block_size: int
+    block_size: int  # the largest block used (the adaptive policy's upper bound)
     kernels: str
     acceptance_lengths: list[int] = field(default_factory=list)
+    block_sizes: list[int] = field(default_factory=list)  # verified rows per step; 1 = plain decoding
+    adaptive: bool = False
 
     @property
     def speculative(self) -> bool:
+        """Whether any step drafted; an adaptive run that fell back to plain decoding did not."""
+        if self.block_sizes:
+            return any(b > 1 for b in self.block_sizes)
         return self.block_size > 1
+
+    @property
+    def plain_fraction(self) -> float:
+        """Share of steps decoded without a draft (the adaptive fallback)."""
+        b = self.block_sizes
+        return sum(1 for x in b if x == 1) / len(b) if b else 0.0
 
     @property
     def tau(self) -> float:
@@ -142,10 +155,12 @@ def stream_generate(
     min_p: float = 0.0,
     sampler: Sampler | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
-    block_size: int | None = None,
+    block_size: int | str | None = None,
     stop_tokens: Iterable[int] = (),
     use_metal: bool | None = None,
     prefill_step_size: int = 2048,
+    draft_window: tuple[int, int] | None = None,
+    prompt_cache: DecodeCache | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text with DFlash, yielding one response per token like mlx_lm.
 
@@ -155,10 +170,19 @@ def stream_generate(
     ``sampler`` (any logprobs -> token function) also stays exact, but only
     proposals equal to its sample are accepted, so tau drops. ``logits_processors``
     are applied to every verify row with that row's own token history.
+
+    ``block_size="auto"`` picks each step's block (up to the drafter's) from the
+    measured cost curve and the running acceptance (``adaptive.py``).
+    ``draft_window=(keep, recent)`` bounds the drafter's context for long
+    prompts. ``prompt_cache`` (a ``DecodeCache``) reuses the caches of an
+    earlier call whose tokens the new prompt extends; it is updated in place.
     """
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
-    block_size = model.block_size if block_size is None else block_size
+    adaptive = block_size == "auto"
+    block_size = model.block_size if block_size in (None, "auto") else block_size
+    if not isinstance(block_size, int):
+        raise DFlashError(f"block size {block_size!r} is not an integer or 'auto'")
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise DFlashError(f"block size {block_size} is out of range: use 1..{MAX_BLOCK_SIZE}")
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -168,7 +192,9 @@ def stream_generate(
     ops = kernels.get_ops(use_metal)
     strategy = make_strategy(params, sampler, ops)
     stops = set(tokenizer.eos_token_ids) | set(stop_tokens)
-    stats = SpeculativeStats(block_size, ops.path)
+    stats = SpeculativeStats(block_size, ops.path, adaptive=adaptive)
+    if prompt_cache is None:
+        prompt_cache = DecodeCache.new(model.target, model.drafter, draft_window)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
 
@@ -177,16 +203,18 @@ def stream_generate(
         model.target,
         model.drafter,
         strategy,
-        block_size=block_size,
+        block_size=make_policy(model, block_size, use_metal) if adaptive else block_size,
         max_tokens=max_tokens,
         logits_processors=logits_processors,
         prefill_step_size=prefill_step_size,
+        prompt_cache=prompt_cache,
     )
 
     def tokens():
         for i, step in enumerate(steps):
             if i:  # step 0 is the prefill's token, not a draft-verify step
                 stats.acceptance_lengths.append(len(step.tokens))
+                stats.block_sizes.append(step.block_size)
             for j, token in enumerate(step.tokens):
                 yield token, j < step.accepted
 
@@ -252,11 +280,15 @@ def generate(
 
 def format_stats(r: GenerationResponse) -> str:
     s = r.stats
-    mode = (
-        f"speculative, block size {s.block_size}"
-        if s.speculative
-        else "speculation off (block size 1): plain target decoding"
-    )
+    if s.adaptive:
+        used = " ".join(f"{k}:{v}" for k, v in sorted(Counter(s.block_sizes).items()))
+        mode = f"adaptive block size up to {s.block_size}, used (size:steps) {used}"
+        if not s.speculative:
+            mode += "; speculation off: plain decoding was faster"
+    elif s.speculative:
+        mode = f"speculative, block size {s.block_size}"
+    else:
+        mode = "speculation off (block size 1): plain target decoding"
     hist = " ".join(f"{k}:{v}" for k, v in s.histogram().items())
     return "\n".join(
         [

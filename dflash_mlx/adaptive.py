@@ -1,0 +1,180 @@
+"""Adaptive block size: pick each step's block to maximise expected tokens per second.
+
+A step with block ``B`` costs ``draft(B) + verify(B)`` seconds (measured once per
+loaded model by ``calibrate``) and commits ``1 + sum_k prod_{i<=k} a_i`` tokens in
+expectation, where ``a_i`` is the chance the i-th proposal is accepted given the
+ones before it were (tracked as an EMA of what the target accepted). When no
+block beats plain decoding (``B = 1``: one target row, no draft) the policy
+decodes plainly, and probes a speculative block now and then so it notices
+when the text becomes predictable again.
+
+Why measured and not assumed: on MLX the verify cost of B rows is far from
+flat (quantized matmuls on CPU scale with rows), so the best block differs per
+machine, model and dtype.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from . import kernels
+
+if TYPE_CHECKING:
+    from .generate import DFlashModel
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Seconds per decode step on this machine: target verify and drafter forward of B rows."""
+
+    verify: dict[int, float]
+    draft: dict[int, float]
+
+    def step_seconds(self, block_size: int) -> float:
+        """Cost of one step; a block of 1 is plain decoding and runs no draft."""
+        cost = _interpolate(self.verify, block_size)
+        return cost if block_size == 1 else cost + _interpolate(self.draft, block_size)
+
+    def relative(self) -> dict[int, float]:
+        """Step cost of each measured block size relative to plain decoding."""
+        base = self.step_seconds(1)
+        return {b: self.step_seconds(b) / base for b in sorted(self.verify)}
+
+
+def _interpolate(points: dict[int, float], x: int) -> float:
+    xs = sorted(points)
+    i = min(max(bisect_left(xs, x), 1), len(xs) - 1) if len(xs) > 1 else 0
+    if len(xs) == 1 or x == xs[i]:
+        return points[xs[i]]
+    x0, x1 = xs[i - 1], xs[i]
+    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: first calls pay for allocation and graph setup
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate(
+    model: "DFlashModel",
+    max_block_size: int | None = None,
+    context: int = 128,
+    repeats: int = 3,
+    use_metal: bool | None = None,
+) -> CostCurve:
+    """Time target verify and drafter forward for a few block sizes after ``context`` tokens.
+
+    Uses throw-away caches; the model is left as it was.
+    """
+    target, drafter = model.target, model.drafter
+    ops = kernels.get_ops(use_metal)
+    max_block_size = max_block_size or model.block_size
+    sizes = sorted({b for b in CALIBRATION_SIZES if b < max_block_size} | {1, max_block_size})
+    # Deterministic tokens: calibration must not consume the caller's random stream.
+    tokens = mx.arange(context + max(sizes), dtype=mx.int32) % target.vocab_size
+    cache, draft_cache = target.make_cache(), drafter.make_cache()
+    _, hidden = target.prefill(tokens[:context], cache)
+    mx.eval(hidden)
+    # The drafter's context as in steady state: the prompt absorbed, a few new rows per step.
+    drafter(target.embed(tokens[:1])[None], hidden[:, :-2], draft_cache, target.lm_head, ops)
+    verify, draft = {}, {}
+    for B in sizes:
+        block = tokens[context : context + B][None]
+
+        def run_verify():
+            logits, h = target(block, cache)
+            mx.eval(logits, h)
+            target.rollback(cache, B)
+
+        def run_draft():
+            logits = drafter(target.embed(block), hidden[:, -2:], draft_cache, target.lm_head, ops)
+            mx.eval(mx.argmax(logits, axis=-1))
+            for c in draft_cache:
+                c.trim(2)
+
+        verify[B] = _median_seconds(run_verify, repeats)
+        if B > 1:
+            draft[B] = _median_seconds(run_draft, repeats)
+    draft[1] = 0.0
+    return CostCurve(verify, draft)
+
+
+def cost_curve(model: "DFlashModel", use_metal: bool | None = None) -> CostCurve:
+    """The model's cost curve, calibrated on first use and kept on the model."""
+    if model.cost_curve is None:
+        model.cost_curve = calibrate(model, use_metal=use_metal)
+    return model.cost_curve
+
+
+class AdaptiveBlockSize:
+    """A ``decode.BlockPolicy`` maximising expected tokens per second.
+
+    prior: assumed acceptance rate of positions not yet observed (optimistic
+    enough that larger blocks get tried). decay: EMA weight of the past per
+    observation. probe_every: after this many plain steps, run one speculative
+    step to refresh the acceptance estimates.
+    """
+
+    def __init__(
+        self,
+        curve: CostCurve,
+        max_block_size: int,
+        prior: float = 0.6,
+        decay: float = 0.8,
+        probe_every: int = 16,
+    ):
+        self.curve, self.max_block_size = curve, max_block_size
+        self.rates = [prior] * (max_block_size - 1)
+        self.decay, self.probe_every = decay, probe_every
+        self.plain_steps = 0
+
+    def expected_tokens(self, block_size: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.rates[: block_size - 1]:
+            run *= a
+            total += run
+        return total
+
+    def tokens_per_second(self, block_size: int) -> float:
+        return self.expected_tokens(block_size) / self.curve.step_seconds(block_size)
+
+    def best(self, smallest: int = 1) -> int:
+        return max(range(smallest, self.max_block_size + 1), key=self.tokens_per_second)
+
+    def next_block_size(self) -> int:
+        B = self.best()
+        if B > 1 or self.max_block_size == 1:
+            self.plain_steps = 0
+            return B
+        self.plain_steps += 1
+        if self.plain_steps < self.probe_every:
+            return 1
+        self.plain_steps = 0
+        return self.best(smallest=2)
+
+    def observe(self, block_size: int, accepted: int) -> None:
+        # Proposal i was tested only if all before it were accepted.
+        for i in range(min(accepted + 1, block_size - 1)):
+            hit = 1.0 if i < accepted else 0.0
+            self.rates[i] = self.decay * self.rates[i] + (1 - self.decay) * hit
+
+
+def make_policy(model: "DFlashModel", max_block_size: int | None = None, use_metal: bool | None = None, **kwargs) -> AdaptiveBlockSize:
+    """An adaptive block-size policy for one generation (pass it as ``block_size``).
+
+    Calibrates the model on first use (a second or so on small models); keyword
+    arguments go to ``AdaptiveBlockSize``.
+    """
+    return AdaptiveBlockSize(cost_curve(model, use_metal), max_block_size or model.block_size, **kwargs)
