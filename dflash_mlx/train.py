@@ -1,0 +1,430 @@
+"""`dflash-mlx train`: train a DFlash drafter for an mlx_lm target.
+
+The recipe follows SpecForge's public one (see REFERENCE.md):
+
+1. Data: the target answers the training prompts itself (greedy), so the drafter
+   learns the target's distribution; the target's hidden states at
+   ``target_layer_ids`` over prompt + answer are computed once and kept in memory.
+2. Each step samples random anchors in the answers. Every anchor ``a`` makes a
+   block ``[x_a, MASK x (B-1)]`` at positions ``a..a+B-1``; all blocks of a
+   sequence go through one drafter forward whose mask lets a block see the
+   context rows strictly before its anchor and its own block, which is exactly
+   what the block sees at inference (``Drafter.__call__``).
+3. Loss: cross-entropy at block positions k = 1..B-1 (labels ``x_{a+k}``),
+   weighted ``exp(-(k-1)/gamma)`` and normalised by the weight sum, because early
+   positions decide how much of a block is accepted. The target's embedding and
+   LM head are shared and frozen. AdamW, 4% warmup then cosine decay, grad clip 1.0.
+
+Progress shows the loss, top-1 accuracy at block positions, and ``tau~``: the
+acceptance length greedy verification would give on the same blocks
+(1 + the number of leading correct positions), a cheap proxy of the real tau
+that the held-out evaluation at the end measures with ``stream_generate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .drafter import Attention, Drafter, DrafterArgs, default_target_layer_ids
+from .errors import DFlashError
+from .target import Target
+
+# Loss decay per block size from the paper; other sizes interpolate (B / 2.2).
+GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    return GAMMA.get(block_size, round(block_size / 2.2, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training forward: the inference forward of Drafter, for many blocks at once
+
+
+def block_mask(anchors: mx.array, context_len: int, block_size: int) -> mx.array:
+    """(S, 1, N*B, T + N*B) boolean mask: block j sees context rows before anchor j and itself."""
+    S, N = anchors.shape
+    sees_context = mx.arange(context_len)[None, None, :] < anchors[:, :, None]  # (S, N, T)
+    sees_context = mx.repeat(sees_context, block_size, axis=1)  # (S, N*B, T)
+    block_id = mx.arange(N * block_size) // block_size
+    sees_block = block_id[:, None] == block_id[None, :]  # (N*B, N*B)
+    sees_block = mx.broadcast_to(sees_block, (S, N * block_size, N * block_size))
+    return mx.concatenate([sees_context, sees_block], axis=-1)[:, None]
+
+
+def _attention(attn: Attention, x: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
+    """``Attention.__call__`` for (S, N, B, H) blocks over (S, T, H) context rows."""
+    S, N, B, _ = x.shape
+
+    def heads(h, n, rows):  # -> (rows, n, len, head_dim)
+        return h.reshape(rows, -1, n, h.shape[-1] // n).transpose(0, 2, 1, 3)
+
+    def per_sequence(h):  # (S*N, n, B, d) -> (S, n, N*B, d)
+        return h.reshape(S, N, h.shape[1], B, -1).transpose(0, 2, 1, 3, 4).reshape(S, h.shape[1], N * B, -1)
+
+    # Block rows sit at absolute positions anchor..anchor+B-1, context rows at 0..T-1.
+    offsets = anchors.reshape(-1)
+    xb = x.reshape(S * N, B, -1)
+    q = attn.rope(attn.q_norm(heads(attn.q_proj(xb), attn.n_heads, S * N)), offset=offsets)
+    kb = attn.rope(attn.k_norm(heads(attn.k_proj(xb), attn.n_kv_heads, S * N)), offset=offsets)
+    vb = heads(attn.v_proj(xb), attn.n_kv_heads, S * N)
+    kc = attn.rope(attn.k_norm(heads(attn.k_proj(context), attn.n_kv_heads, S)))
+    vc = heads(attn.v_proj(context), attn.n_kv_heads, S)
+    k = mx.concatenate([kc, per_sequence(kb)], axis=2)
+    v = mx.concatenate([vc, per_sequence(vb)], axis=2)
+    out = mx.fast.scaled_dot_product_attention(per_sequence(q), k, v, scale=attn.scale, mask=mask)
+    out = out.transpose(0, 2, 1, 3).reshape(S, N, B, -1)
+    return attn.o_proj(out)
+
+
+def training_hidden(
+    drafter: Drafter, context_hidden: mx.array, block_embeddings: mx.array, anchors: mx.array
+) -> mx.array:
+    """Final-normed drafter states (S, N, B-1, H) at block positions 1..B-1.
+
+    context_hidden: (S, T, k*H) target hidden states of each sequence;
+    block_embeddings: (S, N, B, H) embeddings of ``[x_anchor, MASK...]``;
+    anchors: (S, N) anchor positions. Same math as ``Drafter.__call__`` run once
+    per block with the context rows before the anchor.
+    """
+    if any(layer.self_attn.sliding_window for layer in drafter.layers):
+        raise DFlashError("training drafters with sliding-window layers is not supported: drop layer_types")
+    B = block_embeddings.shape[2]
+    context = drafter.hidden_norm(drafter.fc(context_hidden))
+    mask = block_mask(anchors, context.shape[1], B)
+    h = block_embeddings
+    for layer in drafter.layers:
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), context, anchors, mask)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return drafter.norm(h)[:, :, 1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: sequences, target hidden states, anchor batches
+
+
+def sequences(records: list[dict], eos: int, max_tokens: int) -> list[tuple[np.ndarray, int]]:
+    """(tokens, answer start) per record; answers cut by max_tokens didn't see EOS."""
+    out = []
+    for r in records:
+        answer = r["response_ids"] + ([eos] if len(r["response_ids"]) < max_tokens else [])
+        if len(answer) >= 2:
+            out.append((np.array(r["prompt_ids"] + answer, np.int32), len(r["prompt_ids"])))
+    return out
+
+
+def compute_hidden(target: Target, seqs: list[tuple[np.ndarray, int]], batch: int = 8, progress=None) -> list[mx.array]:
+    """Target hidden states (T, k*H) per sequence, stored in bfloat16 to halve memory.
+
+    Only the hidden states are evaluated, so MLX skips the LM head and the layers
+    after the last tapped one. Right padding cannot change earlier rows (causal).
+    """
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+    hidden: list[mx.array | None] = [None] * len(seqs)
+    for start in range(0, len(order), batch):
+        idx = order[start : start + batch]
+        T = max(len(seqs[i][0]) for i in idx)
+        tokens = np.zeros((len(idx), T), np.int32)
+        for row, i in enumerate(idx):
+            tokens[row, : len(seqs[i][0])] = seqs[i][0]
+        _, h = target(mx.array(tokens), None)
+        h = h.astype(mx.bfloat16)
+        mx.eval(h)
+        for row, i in enumerate(idx):
+            hidden[i] = h[row, : len(seqs[i][0])]
+        if progress is not None:
+            progress.update(len(idx))
+    return hidden
+
+
+def make_batch(
+    seqs: list[tuple[np.ndarray, int]],
+    hidden: list[mx.array],
+    idx: list[int],
+    rng: np.random.Generator,
+    num_anchors: int,
+    block_size: int,
+) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
+    """Context (S,T,kH), block tokens (S,N,B), anchors (S,N), labels (S,N,B-1), label mask."""
+    S, B = len(idx), block_size
+    T = max(len(seqs[i][0]) for i in idx)
+    anchors = np.zeros((S, num_anchors), np.int32)
+    valid_anchor = np.zeros((S, num_anchors), bool)
+    labels = np.zeros((S, num_anchors, B - 1), np.int32)
+    valid = np.zeros((S, num_anchors, B - 1), bool)
+    for row, i in enumerate(idx):
+        tokens, answer = seqs[i]
+        # Anchors are answer tokens with at least one token after them, as at inference.
+        candidates = np.arange(answer, len(tokens) - 1)
+        chosen = np.sort(rng.choice(candidates, min(num_anchors, len(candidates)), replace=False))
+        anchors[row, : len(chosen)] = chosen
+        valid_anchor[row, : len(chosen)] = True
+        padded = np.concatenate([tokens, np.zeros(B, np.int32)])
+        for j, a in enumerate(chosen):
+            labels[row, j] = padded[a + 1 : a + B]
+            valid[row, j] = np.arange(a + 1, a + B) < len(tokens)
+    context = mx.stack([mx.pad(hidden[i], [(0, T - hidden[i].shape[0]), (0, 0)]) for i in idx]).astype(mx.float32)
+    first = np.take_along_axis(np.stack([np.pad(seqs[i][0], (0, T - len(seqs[i][0]))) for i in idx]), anchors, 1)
+    return context, mx.array(first), mx.array(anchors), mx.array(labels), mx.array(valid & valid_anchor[..., None])
+
+
+def loss_fn(drafter, target, context, block_tokens, anchors, labels, valid, weights):
+    h = training_hidden(drafter, context, target.embed(block_tokens), anchors)
+    logits = target.lm_head(h)
+    w = weights * valid
+    loss = (nn.losses.cross_entropy(logits, labels) * w).sum() / w.sum()
+    return loss, logits.argmax(-1) == labels
+
+
+def block_tokens(first: mx.array, block_size: int, mask_token_id: int) -> mx.array:
+    S, N = first.shape
+    masks = mx.full((S, N, block_size - 1), mask_token_id, mx.int32)
+    return mx.concatenate([first[..., None], masks], axis=-1)
+
+
+def acceptance_proxy(correct: np.ndarray, valid: np.ndarray) -> tuple[float, float]:
+    """(top-1 accuracy, mean 1 + leading correct positions) over valid anchors."""
+    hits = correct & valid
+    accuracy = hits.sum() / max(valid.sum(), 1)
+    run = np.cumprod(hits, axis=-1).sum(-1)
+    anchors = valid[..., 0]
+    return float(accuracy), float((1 + run)[anchors].mean()) if anchors.any() else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints in the released layout
+
+
+def drafter_config(args: DrafterArgs) -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_hidden_layers,
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.intermediate_size,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.rms_norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": args.rope_scaling,
+        "max_position_embeddings": args.max_position_embeddings,
+        "block_size": args.block_size,
+        "num_target_layers": args.num_target_layers,
+        "torch_dtype": "float32",
+        "dflash_config": {"target_layer_ids": args.target_layer_ids, "mask_token_id": args.mask_token_id},
+    }
+
+
+def save_drafter(drafter: Drafter, out: Path, dtype: mx.Dtype = mx.float32) -> None:
+    """config.json + model.safetensors, loadable by ``load_drafter`` and the converter."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = drafter_config(drafter.args)
+    config["torch_dtype"] = str(dtype).split(".")[-1]
+    weights = {k: v.astype(dtype) for k, v in tree_flatten(drafter.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def save_checkpoint(out: Path, drafter: Drafter, optimizer: optim.Optimizer, step: int, train_config: dict) -> None:
+    save_drafter(drafter, out)
+    # Not .safetensors: loaders read every safetensors file in a drafter folder.
+    mx.savez(str(out / "optimizer.npz"), **dict(tree_flatten(optimizer.state)))
+    (out / "trainer_state.json").write_text(json.dumps({"step": step, "train_config": train_config}, indent=2) + "\n")
+
+
+def load_checkpoint(out: Path, drafter: Drafter, optimizer: optim.Optimizer) -> int:
+    state = json.loads((out / "trainer_state.json").read_text())
+    drafter.load_weights(str(out / "model.safetensors"))
+    optimizer.state = tree_unflatten(list(mx.load(str(out / "optimizer.npz")).items()))
+    return state["step"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def make_drafter_args(target_config: dict, *, num_layers: int, block_size: int, target_layer_ids: list[int] | None,
+                      mask_token_id: int, intermediate_size: int | None = None) -> DrafterArgs:
+    """A drafter with the target's attention geometry (so RoPE and head sizes match)."""
+    L = target_config["num_hidden_layers"]
+    return DrafterArgs(
+        hidden_size=target_config["hidden_size"],
+        num_hidden_layers=num_layers,
+        num_attention_heads=target_config["num_attention_heads"],
+        num_key_value_heads=target_config.get("num_key_value_heads", target_config["num_attention_heads"]),
+        head_dim=target_config.get("head_dim"),
+        intermediate_size=intermediate_size or target_config["intermediate_size"],
+        vocab_size=target_config["vocab_size"],
+        rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
+        num_target_layers=L,
+        rope_theta=target_config.get("rope_theta", 10000.0),
+        max_position_embeddings=target_config.get("max_position_embeddings", 4096),
+        block_size=block_size,
+        target_layer_ids=target_layer_ids or default_target_layer_ids(L, num_layers),
+        mask_token_id=mask_token_id,
+    )
+
+
+def default_mask_token(tokenizer) -> int:
+    """A token the target never writes in answers: pad/unk if distinct from EOS, else id 0."""
+    for tid in (tokenizer.pad_token_id, tokenizer.unk_token_id):
+        if tid is not None and tid not in tokenizer.eos_token_ids:
+            return tid
+    return 0
+
+
+def evaluate_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[str], max_tokens: int, progress=None) -> dict:
+    """Real greedy DFlash generations on held-out prompts: tau = tokens / steps."""
+    from .generate import DFlashModel, stream_generate
+
+    model = DFlashModel(target, drafter)
+    lengths: list[int] = []
+    for prompt in prompts:
+        if tokenizer.chat_template is not None:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        response = None
+        for response in stream_generate(model, tokenizer, prompt, max_tokens):
+            pass
+        lengths += response.stats.acceptance_lengths
+        if progress is not None:
+            progress.update(1)
+    hist = {int(k): int(v) for k, v in zip(*np.unique(lengths, return_counts=True))} if lengths else {}
+    return {"tau": sum(lengths) / max(len(lengths), 1), "steps": len(lengths), "histogram": hist}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Target: mlx_lm model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", "-o", required=True, help="Output folder: drafter checkpoint, data cache, logs")
+    p.add_argument("--prompts", nargs="+", default=["gsm8k", "stdlib", "sharegpt"],
+                   help="Prompt sources: gsm8k[:PATH], sharegpt, stdlib, PATH.jsonl, PATH.txt (mixed round-robin)")
+    p.add_argument("--num-prompts", type=int, default=1000, help="Training prompts (the target answers each)")
+    p.add_argument("--eval-prompts", type=int, default=12, help="Held-out prompts for the final tau evaluation")
+    p.add_argument("--max-response-tokens", type=int, default=256, help="Target answer length cap")
+    p.add_argument("--gen-batch-size", type=int, default=32, help="Batch size of the target's answer generation")
+    p.add_argument("--num-layers", type=int, default=1, help="Drafter decoder layers")
+    p.add_argument("--intermediate-size", type=int, default=None, help="Drafter MLP width (default: the target's)")
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="Target layers fed to the drafter")
+    p.add_argument("--block-size", type=int, default=16, help="Draft block size B (anchor + B-1 proposals)")
+    p.add_argument("--gamma", type=float, default=None, help="Loss decay over block positions (default: 7/5/4 for B 16/10/8)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="Mask token (default: pad/unk, else 0)")
+    p.add_argument("--steps", type=int, default=600, help="Optimizer steps")
+    p.add_argument("--batch-seqs", type=int, default=4, help="Sequences per step")
+    p.add_argument("--anchors", type=int, default=32, help="Random anchors (blocks) per sequence per step")
+    p.add_argument("--lr", type=float, default=6e-4, help="Peak learning rate")
+    p.add_argument("--warmup", type=float, default=0.04, help="Warmup fraction of the steps")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--save-every", type=int, default=50, help="Checkpoint every N steps")
+    p.add_argument("--eval-max-tokens", type=int, default=128, help="Tokens per held-out generation")
+    p.add_argument("--seed", type=int, default=0, help="Seed for prompts, init and anchors")
+    p.add_argument("--resume", action="store_true", help="Continue from the checkpoint in --out")
+
+
+def run(args: argparse.Namespace) -> None:
+    import mlx_lm
+    from tqdm import tqdm
+
+    from .data import generate_responses, load_prompts
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.resume and (out / "trainer_state.json").exists():
+        raise DFlashError(f"{out} already holds a training run: pass --resume to continue it or choose another --out")
+    if args.block_size < 2:
+        raise DFlashError(f"--block-size {args.block_size} leaves nothing to draft: use 2 or more")
+    model_path = args.model
+    if model_path is None:
+        from .default import default_target
+
+        model_path = str(default_target())
+    model, tokenizer = mlx_lm.load(model_path)
+    mx.random.seed(args.seed)
+
+    prompts = load_prompts(args.prompts, args.num_prompts + args.eval_prompts, args.seed)
+    train_prompts, eval_prompts = prompts[: args.num_prompts], prompts[args.num_prompts :]
+    tic = time.perf_counter()
+    with tqdm(desc="target answers", unit="prompt", dynamic_ncols=True) as bar:
+        records = generate_responses(model, tokenizer, train_prompts, out / "data.jsonl",
+                                     max_tokens=args.max_response_tokens, batch_size=args.gen_batch_size, progress=bar)
+    records = [r for r in records if r["id"] < len(train_prompts)]
+    data_seconds = time.perf_counter() - tic
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    mask_id = default_mask_token(tokenizer) if args.mask_token_id is None else args.mask_token_id
+    dargs = make_drafter_args(config, num_layers=args.num_layers, block_size=args.block_size,
+                              target_layer_ids=args.target_layer_ids, mask_token_id=mask_id,
+                              intermediate_size=args.intermediate_size)
+    target = Target(model, dargs.target_layer_ids)
+    model.freeze()
+    seqs = sequences(records, tokenizer.eos_token_id, args.max_response_tokens)
+    num_tokens = sum(len(t) - a for t, a in seqs)
+    with tqdm(total=len(seqs), desc="target hidden states", unit="seq", dynamic_ncols=True) as bar:
+        hidden = compute_hidden(target, seqs, progress=bar)
+
+    drafter = Drafter(dargs)
+    mx.eval(drafter.parameters())
+    warmup = max(1, int(args.warmup * args.steps))
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(0.0, args.lr, warmup), optim.cosine_decay(args.lr, args.steps - warmup, 0.1 * args.lr)],
+        [warmup],
+    )
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=args.weight_decay)
+    train_config = {k: v for k, v in vars(args).items() if k not in ("func", "resume")}
+    step = load_checkpoint(out, drafter, optimizer) if args.resume and (out / "trainer_state.json").exists() else 0
+
+    B = args.block_size
+    gamma = args.gamma or default_gamma(B)
+    weights = mx.exp(-mx.arange(B - 1, dtype=mx.float32) / gamma)
+    grad_fn = nn.value_and_grad(drafter, lambda *a: loss_fn(drafter, target, *a, weights))
+
+    def train_step(batch):
+        context, first, anchors, labels, valid = batch
+        (loss, correct), grads = grad_fn(context, block_tokens(first, B, mask_id), anchors, labels, valid)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(drafter, grads)
+        return loss, correct
+
+    # Sequences of similar length share a batch (less padding); the batch order of
+    # each epoch and each step's anchors come from (seed, epoch) / (seed, step), so a
+    # resumed run continues exactly where it stopped.
+    by_length = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+    batches = [by_length[i : i + args.batch_seqs] for i in range(0, len(by_length), args.batch_seqs)]
+    tic = time.perf_counter()
+    ema = None
+    with tqdm(total=args.steps, initial=step, desc="train", unit="step", dynamic_ncols=True) as bar:
+        while step < args.steps:
+            epoch, k = divmod(step, len(batches))
+            order = np.random.default_rng([args.seed, epoch]).permutation(len(batches))
+            batch = make_batch(seqs, hidden, batches[order[k]], np.random.default_rng([args.seed, 1, step]), args.anchors, B)
+            loss, correct = train_step(batch)
+            mx.eval(loss, correct, drafter.parameters(), optimizer.state)
+            step += 1
+            acc, tau = acceptance_proxy(np.array(correct), np.array(batch[4]))
+            now = np.array([loss.item(), acc, tau])
+            ema = now if ema is None else 0.9 * ema + 0.1 * now
+            bar.set_postfix(loss=f"{ema[0]:.3f}", acc=f"{ema[1]:.3f}", tau=f"{ema[2]:.2f}", lr=f"{schedule(step).item():.1e}")
+            bar.update(1)
+            if step % args.save_every == 0 or step == args.steps:
+                save_checkpoint(out, drafter, optimizer, step, train_config)
+    train_seconds = time.perf_counter() - tic
+
+    result = {"answer_tokens": num_tokens, "sequences": len(seqs), "data_seconds": round(data_seconds, 1),
+              "train_seconds": round(train_seconds, 1), "final_loss": None if ema is None else round(float(ema[0]), 4),
+              "final_tau_proxy": None if ema is None else round(float(ema[2]), 3)}
+    if eval_prompts:
+        with tqdm(total=len(eval_prompts), desc="held-out tau", unit="prompt", dynamic_ncols=True) as bar:
+            result["held_out"] = evaluate_tau(target, drafter, tokenizer, eval_prompts, args.eval_max_tokens, bar)
+        print(f"held-out tau {result['held_out']['tau']:.2f} over {result['held_out']['steps']} steps "
+              f"({len(eval_prompts)} prompts), histogram {result['held_out']['histogram']}")
+    (out / "train_result.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"drafter written to {out} ({num_tokens} answer tokens, {len(seqs)} sequences)")

@@ -1,0 +1,111 @@
+"""Drafter training: the training forward is the inference forward, learning works, resume works."""
+
+import argparse
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from tiny import TARGETS, drafter_config, save_target
+
+from dflash_mlx import kernels
+from dflash_mlx import train
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter
+from dflash_mlx.target import Target
+from dflash_mlx.train import training_hidden
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_training_forward_matches_inference(tiny_pair, family):
+    """Every block of one batched training forward equals a separate Drafter.__call__."""
+    target_path, _ = tiny_pair(family)
+    model, _ = mlx_lm.load(str(target_path))
+    mx.random.seed(3)
+    drafter = Drafter(DrafterArgs.from_config(drafter_config(TARGETS[family], block_size=6)))
+    target = Target(model, drafter.args.target_layer_ids)
+    tokens = mx.array([[5 + (7 * i) % 60 for i in range(30)], [9 + (3 * i) % 50 for i in range(30)]])
+    _, hidden = target(tokens, None)
+    B, mask_id = 6, drafter.args.mask_token_id
+    anchors = mx.array([[0, 4, 11, 23], [2, 3, 17, 29]])
+    first = mx.take_along_axis(tokens, anchors, axis=1)
+    block = mx.concatenate([first[..., None], mx.full((2, 4, B - 1), mask_id, mx.int32)], axis=-1)
+    logits = target.lm_head(training_hidden(drafter, hidden, target.embed(block), anchors))
+    ops = kernels.get_ops(False)
+    for s in range(2):
+        for j in range(4):
+            a = anchors[s, j].item()
+            expected = drafter(target.embed(block[s, j])[None], hidden[s : s + 1, :a], drafter.make_cache(),
+                               target.lm_head, ops)
+            assert mx.allclose(logits[s, j], expected, atol=1e-4).item(), (s, j)
+
+
+def _train(tmp_path: Path, target: Path, out: Path, steps: int, *extra: str) -> None:
+    prompts = tmp_path / "prompts.txt"
+    # Random tiny targets fall into short greedy loops: predictable from the context,
+    # so a drafter trained briefly on some prompts must beat tau 1 on others.
+    prompts.write_text("\n".join(f"{w} {i}" for i, w in enumerate(["abc", "hello", "xyz", "def", "qq", "the"] * 8)))
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    train.run(parser.parse_args(["--model", str(target), "--out", str(out), "--prompts", str(prompts), "--num-prompts", "40",
+          "--eval-prompts", "6", "--max-response-tokens", "48", "--gen-batch-size", "8", "--block-size", "8",
+          "--steps", str(steps), "--batch-seqs", "4", "--anchors", "16", "--lr", "3e-3", "--save-every", "20",
+          "--eval-max-tokens", "40", "--seed", "0", *extra]))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    # Halving tiny.py's weight scale makes a target whose greedy answers settle into
+    # runs of one token: predictable from context, as real answers partly are.
+    target = save_target(tmp / "target", "qwen3")
+    weights = mx.load(str(target / "model.safetensors"))
+    weights = {k: v * 0.5 if v.ndim == 2 and "embed" not in k else v for k, v in weights.items()}
+    mx.save_safetensors(str(target / "model.safetensors"), weights)
+    out = tmp / "drafter"
+    _train(tmp, target, out, 100)
+    return tmp, target, out
+
+
+def test_micro_drafter_learns(trained):
+    tmp, target, out = trained
+    result = json.loads((out / "train_result.json").read_text())
+    drafter = load_drafter(str(out))  # the released checkpoint layout
+    assert drafter.args.block_size == 8
+    model, tokenizer = mlx_lm.load(str(target))
+    prompts = (tmp / "prompts.txt").read_text().splitlines()[40:46]  # the held-out ones
+    untrained = Drafter(drafter.args)
+    baseline = train.evaluate_tau(Target(model, drafter.args.target_layer_ids), untrained, tokenizer, prompts, 40)
+    assert result["held_out"]["tau"] > 1.8, result
+    assert result["held_out"]["tau"] > baseline["tau"] + 0.5, (result, baseline)
+
+
+def test_resume_continues_the_same_run(trained, tmp_path, monkeypatch):
+    """A run killed after its step-20 checkpoint and resumed ends with the weights of an uninterrupted run."""
+    tmp, target, first = trained
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out in (straight, resumed):
+        out.mkdir()
+        (out / "data.jsonl").write_text((first / "data.jsonl").read_text())  # skip regeneration
+    _train(tmp, target, straight, 40, "--eval-prompts", "0")
+
+    save = train.save_checkpoint
+
+    def save_then_die(out, drafter, optimizer, step, config):
+        save(out, drafter, optimizer, step, config)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp, target, resumed, 40, "--eval-prompts", "0")
+    monkeypatch.setattr(train, "save_checkpoint", save)
+    assert json.loads((resumed / "trainer_state.json").read_text())["step"] == 20
+    with pytest.raises(DFlashError, match="--resume"):
+        _train(tmp, target, resumed, 40, "--eval-prompts", "0")
+    _train(tmp, target, resumed, 40, "--eval-prompts", "0", "--resume")
+    a = mx.load(str(straight / "model.safetensors"))
+    b = mx.load(str(resumed / "model.safetensors"))
+    for k in a:
+        assert np.allclose(np.array(a[k]), np.array(b[k]), atol=1e-5), k
