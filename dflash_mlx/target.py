@@ -12,9 +12,15 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from .errors import DFlashError
+from .rollback import CachePolicy
+
+# mlx_lm's Gemma models scale token embeddings by sqrt(hidden_size) inside the
+# forward (Gemma 3 after rounding the scale to bf16, as HF does); the drafter's
+# block input is the scaled embedding, what the target's first layer sees.
+_BF16_SQRT_H_EMBEDDING = {"gemma3", "gemma3_text"}
+_SQRT_H_EMBEDDING = {"gemma", "gemma2"}
 
 
 class _Tap:
@@ -48,8 +54,12 @@ class Target:
 
     def __init__(self, model: nn.Module, layer_ids: list[int]):
         self.model = model
+        # Multimodal wrappers (qwen3_5, gemma3) keep the text config on language_model.
+        self.args = getattr(getattr(model, "language_model", model), "args", model.args)
         self.layer_ids = list(layer_ids)
-        self.layers = model.layers
+        # The list the forward iterates (qwen3_5's ``model.layers`` is a fresh slice).
+        layers = _find(model, "layers")
+        self.layers = layers if isinstance(layers, list) else model.layers
         self.embed_tokens = _find(model, "embed_tokens")
         model_type = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
         if self.embed_tokens is None or not self.layers:
@@ -57,11 +67,8 @@ class Target:
                 f"unsupported target architecture {model_type!r}: no embed_tokens/layers to share "
                 "with the drafter (supported: Llama, Qwen2, Qwen3, Mistral-style decoders)"
             )
-        if not can_trim_prompt_cache(make_prompt_cache(model)):
-            raise DFlashError(
-                f"unsupported target architecture {model_type!r}: its cache cannot be rolled back "
-                "after a rejected block (recurrent or rotating layers); use a pure-attention target"
-            )
+        self.cache_policy = CachePolicy(model, model.layers, model_type)
+        self.embed_scale = _embed_scale(model, model_type, self.hidden_size)
         bad = [i for i in self.layer_ids if not 0 <= i < len(self.layers)]
         if bad:
             raise DFlashError(
@@ -73,22 +80,22 @@ class Target:
 
     @property
     def vocab_size(self) -> int:
-        return self.model.args.vocab_size
+        return self.args.vocab_size
 
     @property
     def hidden_size(self) -> int:
-        return self.model.args.hidden_size
+        return self.args.hidden_size
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.embed_tokens(tokens)
+        h = self.embed_tokens(tokens)
+        return h if self.embed_scale is None else h * self.embed_scale.astype(h.dtype)
 
     def make_cache(self) -> list:
-        return make_prompt_cache(self.model)
+        return self.cache_policy.make_cache()
 
     def rollback(self, cache: list, num_tokens: int) -> None:
-        """Drop the last ``num_tokens`` positions (the rejected proposals)."""
-        if num_tokens:
-            trim_prompt_cache(cache, num_tokens)
+        """Drop the last ``num_tokens`` positions (the rejected proposals) of the last call."""
+        self.cache_policy.rollback(cache, num_tokens)
 
     @contextmanager
     def _tapped(self) -> Iterator[dict[int, list]]:
@@ -103,7 +110,14 @@ class Target:
                 self.layers[i] = layer
 
     def __call__(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
-        """Logits (1, L, V) and captured hidden states (1, L, k*H) for ``tokens`` (1, L)."""
+        """Logits (1, L, V) and captured hidden states (1, L, k*H) for ``tokens`` (1, L).
+
+        ``rollback`` can then drop any tail of these L rows.
+        """
+        with self.cache_policy.undoable(cache, tokens.shape[1]):
+            return self._forward(tokens, cache)
+
+    def _forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         with self._tapped() as sinks:
             logits = self.model(tokens, cache=cache)
         hidden = mx.concatenate([sinks[i][0] for i in self.layer_ids], axis=-1)
@@ -121,9 +135,23 @@ class Target:
         rest = prompt
         while rest.size > 1:
             chunk, rest = rest[: min(step_size, rest.size - 1)], rest[min(step_size, rest.size - 1) :]
-            _, h = self(chunk[None], cache)
+            # Not undoable: recording a long chunk would hold its projections in memory.
+            _, h = self._forward(chunk[None], cache)
+            self.cache_policy.forget()
             mx.eval(h, [c.state for c in cache])
             hidden.append(h)
         logits, h = self(rest[None], cache)
         hidden.append(h)
         return logits[:, -1], mx.concatenate(hidden, axis=1)
+
+
+def _embed_scale(model: nn.Module, model_type: str, hidden_size: int) -> mx.array | None:
+    inner = getattr(model, "language_model", model)
+    inner = getattr(inner, "model", inner)
+    if isinstance(getattr(inner, "embed_scale", None), (int, float)):  # gemma4_text
+        return mx.array(inner.embed_scale, mx.float32)
+    if model_type in _BF16_SQRT_H_EMBEDDING:
+        return mx.array(hidden_size**0.5, mx.bfloat16)
+    if model_type in _SQRT_H_EMBEDDING:
+        return mx.array(hidden_size**0.5, mx.float32)
+    return None

@@ -1,0 +1,249 @@
+"""Exact rollback of a target's cache after a partly rejected block.
+
+The verify forward appends all ``B`` block rows to every layer's cache; when only
+``n + 1`` of them are committed, each cache must end exactly where plain
+decoding of the committed tokens would leave it. How depends on the cache type:
+
+- ``KVCache`` (and any other cache that is trimmable at rest): drop the newest
+  rows with ``trim``.
+- ``RotatingKVCache`` (sliding-window layers): its ring buffer overwrites rows
+  that are still inside the window, so a rejected row cannot be undone once it
+  is full. We build a ``WindowKVCache`` instead: rows in temporal order, with the
+  ``window - 1`` rows before the newest forward kept, so dropping rejected rows
+  never loses context the next query needs.
+- ``ArraysCache`` of a Gated DeltaNet layer (``linear_attn``: qwen3_next,
+  qwen3_5, qwen3_5_moe): conv and recurrent state cannot be un-applied. Before
+  each forward we keep references to the two state arrays (free: mlx_lm replaces
+  them, it never writes in place) and record what the layer's input projections
+  returned. Rollback restores the snapshot and replays the accepted rows through
+  mlx_lm's own layer with the projections played back from the record, so a
+  replay costs the short conv and ``n + 1`` recurrence steps, not a matmul.
+  Keeping the per-step recurrent states instead would cost ``B`` states of
+  ``Hv * Dv * Dk`` floats per layer per step (about 1 GB for a 48-layer Qwen3.5
+  at B = 16); the record costs ``B`` projection rows.
+
+Everything is per instance: model classes are never patched. The layer and
+cache attributes this relies on are checked when the policy is built, so an
+mlx_lm release that changes them fails at load with a clear error instead of
+decoding wrong tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from .errors import DFlashError
+
+SUPPORTED = "attention (KVCache), sliding-window (RotatingKVCache, keep=0) and Gated DeltaNet (qwen3_next, qwen3_5) layers"
+
+
+class WindowKVCache:
+    """A sliding-window KV cache that can drop its newest rows.
+
+    ``offset`` is the absolute position of the next token (models use it for
+    RoPE). Rows are kept in temporal order; an update first drops rows no query
+    of the new forward can see, then appends, so after any forward the cache
+    still holds the ``window - 1`` rows before that forward's first token.
+    """
+
+    def __init__(self, window: int):
+        self.window = window
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def _past(self) -> int:
+        """Rows before the next forward's first token that stay visible."""
+        return 0 if self.keys is None else min(self.keys.shape[2], self.window - 1)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            drop = self.keys.shape[2] - self._past()
+            self.keys = mx.concatenate([self.keys[..., drop:, :], keys], axis=2)
+            self.values = mx.concatenate([self.values[..., drop:, :], values], axis=2)
+        self.offset += keys.shape[2]
+        return self.keys, self.values
+
+    def make_mask(
+        self, N: int, window_size: int | None = None, return_array: bool = False
+    ) -> mx.array | None:
+        # Called before update_and_fetch: the keys will be [past rows ; N new rows].
+        if N == 1:
+            return None  # past <= window - 1, so the single query sees every row
+        return create_causal_mask(N, self._past(), window_size=window_size or self.window)
+
+    def trim(self, n: int) -> int:
+        n = min(n, 0 if self.keys is None else self.keys.shape[2])
+        if n:
+            self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
+            self.offset -= n
+        return n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def size(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class _Projection:
+    """Stands in for one input projection of a recurrent layer.
+
+    Recording: calls the real projection and keeps its input and output.
+    Playback: returns the first rows of the recorded output, skipping the matmul.
+    """
+
+    def __init__(self, module: nn.Module, record: dict[str, tuple[mx.array, mx.array]], name: str, rows: int = 0):
+        self.module, self.record, self.name, self.rows = module, record, name, rows
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.rows:
+            return self.record[self.name][1][:, : self.rows]
+        y = self.module(x)
+        self.record[self.name] = (x, y)
+        return y
+
+
+@contextmanager
+def _swapped(mixer: nn.Module, names: list[str], record: dict, rows: int = 0) -> Iterator[None]:
+    originals = {name: mixer[name] for name in names}
+    for name, module in originals.items():
+        mixer[name] = _Projection(module, record, name, rows)
+    try:
+        yield
+    finally:
+        for name, module in originals.items():
+            mixer[name] = module
+
+
+def _projection_names(mixer: nn.Module) -> list[str]:
+    return [k for k, v in mixer.items() if k.startswith("in_proj") and isinstance(v, nn.Module)]
+
+
+def _check_gated_deltanet(layer_index: int, layer: nn.Module, model_type: str) -> nn.Module:
+    """The Gated DeltaNet mixer of ``layer``, or a DFlashError naming what changed."""
+    import mlx_lm
+
+    mixer = layer.get("linear_attn") if isinstance(layer, nn.Module) else None
+    if mixer is None:
+        raise DFlashError(
+            f"unsupported target architecture {model_type!r}: layer {layer_index} keeps a recurrent "
+            f"state (ArraysCache) that DFlash cannot roll back; supported: {SUPPORTED}"
+        )
+    params = list(inspect.signature(mixer.__call__).parameters)
+    if (
+        params[:3] != ["inputs", "mask", "cache"]
+        or not _projection_names(mixer)
+        or "conv1d" not in mixer
+        or not isinstance(getattr(mixer, "conv_kernel_size", None), int)
+    ):
+        raise DFlashError(
+            f"mlx_lm {mlx_lm.__version__} changed the Gated DeltaNet layer of {model_type!r} "
+            f"({type(mixer).__name__}: expected __call__(inputs, mask, cache), in_proj* "
+            "projections and conv1d): DFlash's rollback needs updating; install the "
+            "mlx-lm version dflash-mlx pins"
+        )
+    return mixer
+
+
+class CachePolicy:
+    """Per-layer rollback for one target model, chosen from its mlx_lm cache types."""
+
+    def __init__(self, model: nn.Module, layers: list, model_type: str):
+        self.model = model
+        self.model_type = model_type
+        # layer index -> Gated DeltaNet mixer, for ArraysCache layers
+        self.mixers: dict[int, nn.Module] = {}
+        # layer index -> window, for RotatingKVCache layers
+        self.windows: dict[int, int] = {}
+        for i, c in enumerate(self._model_cache()):
+            if type(c) is RotatingKVCache:
+                if getattr(c, "keep", None) != 0 or not isinstance(getattr(c, "max_size", None), int):
+                    raise DFlashError(
+                        f"unsupported target architecture {model_type!r}: layer {i} uses a rotating "
+                        f"cache that keeps its first {getattr(c, 'keep', '?')} tokens (attention "
+                        f"sinks), which DFlash cannot roll back; supported: {SUPPORTED}"
+                    )
+                self.windows[i] = c.max_size
+            elif type(c) is ArraysCache:
+                self.mixers[i] = _check_gated_deltanet(i, layers[i], model_type)
+            elif isinstance(c, RotatingKVCache) or not c.is_trimmable():
+                raise DFlashError(
+                    f"unsupported target architecture {model_type!r}: layer {i} uses "
+                    f"{type(c).__name__}, which DFlash cannot roll back after a rejected block; "
+                    f"supported: {SUPPORTED}"
+                )
+        self._records: list[tuple[int, ArraysCache, tuple, dict]] = []
+        self._rows = 0
+        self._cache: list | None = None
+
+    def _model_cache(self) -> list:
+        make = getattr(self.model, "make_cache", None)
+        return make() if make is not None else [KVCache() for _ in self.model.layers]
+
+    def make_cache(self) -> list:
+        cache = self._model_cache()
+        for i, window in self.windows.items():
+            cache[i] = WindowKVCache(window)
+        return cache
+
+    @contextmanager
+    def undoable(self, cache: list, rows: int) -> Iterator[None]:
+        """Run one forward of ``rows`` tokens so that ``rollback`` can undo its tail."""
+        self._records, self._rows, self._cache = [], rows, cache
+        with ExitStack() as stack:
+            for i, mixer in self.mixers.items():
+                record: dict = {}
+                self._records.append((i, cache[i], (cache[i][0], cache[i][1]), record))
+                stack.enter_context(_swapped(mixer, _projection_names(mixer), record))
+            yield
+
+    def forget(self) -> None:
+        """The next rollback may not reach into the previous forward (e.g. prefill)."""
+        self._records, self._rows, self._cache = [], 0, None
+
+    def rollback(self, cache: list, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` rows of the most recent undoable forward."""
+        if not num_tokens:
+            self.forget()
+            return
+        if (self.mixers or self.windows) and (cache is not self._cache or num_tokens > self._rows):
+            # Recurrent state and dropped window rows exist only for the last forward.
+            raise DFlashError(
+                f"cannot roll back {num_tokens} tokens on a {self.model_type!r} target: its "
+                f"recurrent/sliding-window layers can only drop rows of the last forward "
+                f"({self._rows} on this cache); start from a fresh cache (target.make_cache())"
+            )
+        keep = self._rows - num_tokens
+        for i, c in enumerate(cache):
+            if i not in self.mixers:
+                c.trim(num_tokens)
+        for i, c, (conv, state), record in self._records:
+            c[0], c[1] = conv, state
+            if keep:
+                # Only the cache updates are evaluated later: the replayed output,
+                # its gate projection and out_proj stay unused graph nodes.
+                x = next(iter(record.values()))[0][:, :keep]
+                with _swapped(self.mixers[i], list(record), record, rows=keep):
+                    self.mixers[i](x, None, c)
+        self.forget()

@@ -1,0 +1,349 @@
+"""Hybrid targets: Gated DeltaNet (qwen3_next, qwen3_5, qwen3_5_moe) and sliding-window
+attention (gemma3_text, gemma4_text) layers must roll back exactly after a rejected block.
+
+Every model here is a tiny random fp32 model built by the test itself. The sampling
+test is statistical: a chi-square test at significance ALPHA with a fixed seed, so a
+correct implementation fails it with probability at most 1e-3 over seeds, and the
+outcome is reproducible.
+"""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.utils import _get_classes
+from tiny import OracleDrafter, drafter_config, save_drafter
+
+from dflash_mlx.decode import speculative_decode
+from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.kernels import get_ops
+from dflash_mlx.rollback import WindowKVCache
+from dflash_mlx.sampling import SamplingParams, make_strategy, probabilities
+from dflash_mlx.target import Target
+
+V, H, WINDOW, ALPHA = 64, 32, 6, 1e-3
+_QWEN_HYBRID = dict(
+    hidden_size=H,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    vocab_size=V,
+    max_position_embeddings=4096,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,
+    tie_word_embeddings=False,
+)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+_QWEN3_5_ROPE = dict(type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[1, 1, 0])
+CONFIGS = {
+    "qwen3_5": dict(
+        model_type="qwen3_5", text_config=dict(_QWEN_HYBRID, model_type="qwen3_5_text", rope_parameters=_QWEN3_5_ROPE)
+    ),
+    "qwen3_5_moe": dict(
+        model_type="qwen3_5_moe",
+        text_config=dict(_QWEN_HYBRID, **_MOE, model_type="qwen3_5_moe_text", rope_parameters=_QWEN3_5_ROPE),
+    ),
+    "qwen3_next": dict(
+        _QWEN_HYBRID,
+        **_MOE,
+        model_type="qwen3_next",
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        hidden_size=H,
+        num_hidden_layers=4,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=8,
+        vocab_size=V,
+        sliding_window=WINDOW,
+        sliding_window_pattern=2,
+    ),
+    "gemma4_text": dict(
+        model_type="gemma4_text",
+        hidden_size=H,
+        num_hidden_layers=5,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        vocab_size=V,
+        vocab_size_per_layer_input=V,
+        hidden_size_per_layer_input=8,
+        num_kv_shared_layers=2,  # the last two layers reuse earlier K/V
+        sliding_window=WINDOW,
+        sliding_window_pattern=3,
+        final_logit_softcapping=30.0,
+    ),
+}
+FAMILIES = list(CONFIGS)
+# Longer than WINDOW and than the prefill chunk, so prefill and decoding both slide.
+PROMPT = [5, 17, 9, 33, 2, 41, 8, 8, 60, 12, 27, 3, 50, 19, 44, 7, 31, 22, 11, 58]
+MAX_TOKENS = 28
+
+
+def build(family: str) -> nn.Module:
+    """A random fp32 model of ``family``, scaled up so its greedy choices are varied."""
+    config = CONFIGS[family]
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def make_drafter(model: nn.Module, **overrides) -> Drafter:
+    config = drafter_config(
+        dict(hidden_size=H, vocab_size=V, rope_theta=10000.0, num_hidden_layers=len(model.layers)),
+        target_layer_ids=[0, 2],
+        **overrides,
+    )
+    mx.random.seed(1)
+    drafter = Drafter(DrafterArgs.from_config(config))
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def greedy() -> object:
+    return make_strategy(SamplingParams(), None, get_ops())
+
+
+def reference(model: nn.Module, prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def dflash(target: Target, drafter: Drafter, prompt: list[int], block_size: int, strategy=None, n=MAX_TOKENS):
+    steps = speculative_decode(
+        mx.array(prompt), target, drafter, strategy or greedy(), block_size=block_size, max_tokens=n,
+        prefill_step_size=8,
+    )
+    steps = list(steps)
+    return [t for s in steps for t in s.tokens], steps
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    model = build(request.param)
+    target = Target(model, [0, 2])
+    return request.param, model, target, make_drafter(model), reference(model, PROMPT)
+
+
+def test_cache_types(family):
+    name, model, target, _, _ = family
+    kinds = {type(c).__name__ for c in target.make_cache()}
+    if name.startswith("gemma"):
+        assert any(isinstance(c, RotatingKVCache) for c in model.make_cache())
+        assert kinds == {"WindowKVCache", "KVCache"}
+    else:
+        assert kinds == {"ArraysCache", "KVCache"}
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("drafter_kind", ["oracle", "random"])
+def test_greedy_matches_mlx_lm(family, block_size, drafter_kind):
+    name, model, target, drafter, ref = family
+    if drafter_kind == "oracle":
+        # Long accepted runs, with every 7th position wrong: rejections mid-block.
+        drafter = OracleDrafter(drafter, PROMPT + ref, wrong_every=7)
+    out, steps = dflash(target, drafter, PROMPT, block_size)
+    assert out == ref, name
+    if block_size > 1:
+        accepted = [s.accepted for s in steps[1:]]
+        partial = [s for s in steps[1:] if len(s.tokens) < min(block_size, MAX_TOKENS)]
+        assert partial, "no block was rejected part-way: the rollback was not exercised"
+        if drafter_kind == "oracle":
+            assert max(accepted) >= min(block_size - 1, 5)
+
+
+def live(cache) -> list[mx.array]:
+    """The rows/state a cache's next forward will use."""
+    if isinstance(cache, ArraysCache):
+        return [cache[0], cache[1]]
+    return [cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]] if isinstance(
+        cache, KVCache
+    ) else cache.state
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma3_text"])
+def test_rollback_state_equals_plain_decoding(name):
+    """After verify + rollback the caches hold what feeding the committed tokens leaves."""
+    model = build(name)
+    target = Target(model, [0, 2])
+    prompt = mx.array(PROMPT)
+    committed, block = [7, 30, 2], [7, 30, 2, 9, 9, 9]
+    plain, spec = target.make_cache(), target.make_cache()
+    target.prefill(prompt, plain, 8)
+    target.prefill(prompt, spec, 8)
+    target(mx.array([committed]), plain)
+    target(mx.array([block]), spec)
+    target.rollback(spec, len(block) - len(committed))
+    for a, b in zip(plain, spec):
+        for x, y in zip(live(a), live(b)):
+            assert x.shape == y.shape and mx.allclose(x, y, atol=1e-5).item()
+    nxt = mx.array([[13, 4]])
+    assert mx.allclose(target(nxt, plain)[0], target(nxt, spec)[0], atol=1e-4).item()
+
+
+def test_rollback_only_reaches_the_last_forward():
+    target = Target(build("qwen3_5"), [0, 2])
+    cache = target.make_cache()
+    target.prefill(mx.array(PROMPT), cache)
+    target(mx.array([[1, 2, 3]]), cache)
+    with pytest.raises(DFlashError, match="fresh cache"):
+        target.rollback(cache, 4)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_drafter_sees_the_scaled_embedding(name):
+    """The drafter's block input is what the target's first layer receives (Gemma: * sqrt(H))."""
+    model = build(name)
+    target = Target(model, [0, 2])
+    seen = []
+    first = target.layers[0]
+
+    class Spy:
+        def __call__(self, x, *args, **kwargs):
+            seen.append(x)
+            return first(x, *args, **kwargs)
+
+        def __getattr__(self, name):  # per-layer flags the model reads (is_linear, ...)
+            return getattr(first, name)
+
+    tokens = mx.array([[3, 9, 27]])
+    target.layers[0] = Spy()
+    try:
+        model(tokens)
+    finally:
+        target.layers[0] = first
+    assert mx.allclose(target.embed(tokens), seen[0], atol=1e-5).item()
+
+
+def test_window_cache_keeps_the_window_through_rollback():
+    cache = WindowKVCache(4)
+    rows = lambda a, b: mx.arange(a, b, dtype=mx.float32).reshape(1, 1, -1, 1)  # noqa: E731
+    k, _ = cache.update_and_fetch(rows(0, 10), rows(0, 10))
+    assert k.shape[2] == 10 and cache.offset == 10
+    cache.trim(3)  # positions 7..9 rejected
+    k, _ = cache.update_and_fetch(rows(7, 12), rows(7, 12))
+    # The new block's first query (position 7) sees positions 4..7: 3 past rows kept.
+    assert k[0, 0, :, 0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    mask = np.array(cache.make_mask(2))
+    # Next two queries (positions 12, 13) over keys 9..13, window 4.
+    assert mask.tolist() == [[True, True, True, True, False], [False, True, True, True, True]]
+
+
+def test_sliding_window_yarn_drafter_loads_and_runs(tmp_path):
+    """Qwen3.6-style drafter: sliding-window layers and yarn RoPE, on a hybrid target."""
+    model = build("qwen3_5")
+    config = drafter_config(
+        dict(hidden_size=H, vocab_size=V, rope_theta=10000.0, num_hidden_layers=4),
+        target_layer_ids=[0, 2],
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    )
+    drafter = load_drafter(str(save_drafter(tmp_path / "draft", config)))
+    assert drafter.layers[0].self_attn.sliding_window == 4
+    assert drafter.layers[1].self_attn.sliding_window is None
+    assert type(drafter.layers[0].self_attn.rope).__name__ == "YarnRoPE"
+    ref = reference(model, PROMPT, 16)
+    out, _ = dflash(Target(model, [0, 2]), drafter, PROMPT, 4, n=16)
+    assert out == ref
+
+
+def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square p-value; bins expected below 5 are pooled (Wilson-Hilferty tail)."""
+    n = counts.sum()
+    order = np.argsort(probs)
+    small = np.cumsum(probs[order] * n) < 5
+    c = [counts[order][small].sum()] + list(counts[order][~small])
+    e = [probs[order][small].sum() * n] + list(probs[order][~small] * n)
+    x = sum((ci - ei) ** 2 / ei for ci, ei in zip(c, e) if ei > 0)
+    k = len(e) - 1
+    z = ((x / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampling_third_token_distribution():
+    """Sampling on qwen3_5 is exact after rollbacks.
+
+    Block size 2 with a point-mass drafter: each step's proposal is accepted with
+    probability p(x), so the first step is often rejected and rolled back (a
+    Gated DeltaNet replay) before the third token is drawn. Its empirical
+    distribution over seeded runs must match the exact marginal, enumerated over
+    the first two tokens.
+    """
+    model = build("qwen3_5")
+    target = Target(model, [0, 2])
+    params = SamplingParams(temp=0.7)
+    prompt = PROMPT[:6]
+    p1 = np.array(probabilities(model(mx.array([prompt]))[0, -1:], params))[0]
+    p2 = np.array(probabilities(model(mx.array([prompt + [a] for a in range(V)]))[:, -1], params))
+    pairs = mx.array([prompt + [a, b] for a in range(V) for b in range(V)])
+    p3 = np.array(probabilities(model(pairs)[:, -1], params)).reshape(V, V, V)
+    expected = np.einsum("a,ab,abv->v", p1, p2, p3)
+
+    drafter = OracleDrafter(make_drafter(model), prompt + reference(model, prompt, 4))
+    strategy = make_strategy(params, None, get_ops())
+    mx.random.seed(2026)
+    runs, counts, rejected = 800, np.zeros(V, int), 0
+    for _ in range(runs):
+        out, steps = dflash(target, drafter, prompt, 2, strategy, n=3)
+        counts[out[2]] += 1
+        rejected += steps[1].accepted == 0
+    assert chi_square_p_value(counts, expected) > ALPHA
+    assert 0.05 * runs < rejected < runs - 20  # both the rollback and the full-accept paths ran
+
+
+def test_unsupported_recurrent_target_is_refused():
+    """LFM2's short-conv layers keep an ArraysCache state that is not a Gated DeltaNet."""
+    config = dict(
+        model_type="lfm2", vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5, conv_bias=False,
+        conv_L_cache=3, block_dim=H, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False, intermediate_size=64, full_attn_idxs=[1],
+    )
+    model_cls, args_cls = _get_classes(config)
+    with pytest.raises(DFlashError, match="unsupported target architecture 'lfm2': layer 0 .*cannot roll back"):
+        Target(model_cls(args_cls.from_dict(config)), [0])
+
+
+def test_rotating_cache_with_attention_sinks_is_refused():
+    model = build("gemma3_text")
+    model.make_cache = lambda: [RotatingKVCache(max_size=WINDOW, keep=4) for _ in model.layers]
+    with pytest.raises(DFlashError, match="attention sinks"):
+        Target(model, [0, 2])
+
+
+def test_changed_mlx_lm_layer_fails_loudly():
+    """If mlx_lm changes the Gated DeltaNet layer we rely on, loading fails instead of decoding wrong."""
+    model = build("qwen3_5")
+
+    class Renamed(nn.Module):
+        def __call__(self, x, mask=None, cache=None):
+            return x
+
+    model.layers[0]["linear_attn"] = Renamed()
+    with pytest.raises(DFlashError, match=r"mlx_lm .* changed the Gated DeltaNet layer"):
+        Target(model, [0, 2])
