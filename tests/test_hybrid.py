@@ -1,5 +1,5 @@
 """Hybrid targets: Gated DeltaNet (qwen3_next, qwen3_5, qwen3_5_moe) and sliding-window
-attention (gemma3_text, gemma4_text) layers must roll back exactly after a rejected block.
+attention (gemma3_text, gemma4_text, olmo3) layers must roll back exactly after a rejected block.
 
 Every model here is a tiny random fp32 model built by the test itself. The sampling
 test is statistical: a chi-square test at significance ALPHA with a fixed seed, so a
@@ -78,6 +78,20 @@ CONFIGS = {
         sliding_window=WINDOW,
         sliding_window_pattern=2,
     ),
+    "olmo3": dict(
+        model_type="olmo3",
+        hidden_size=H,
+        num_hidden_layers=4,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        vocab_size=V,
+        max_position_embeddings=4096,
+        sliding_window=WINDOW,
+        rope_theta=10000.0,
+    ),
     "gemma4_text": dict(
         model_type="gemma4_text",
         hidden_size=H,
@@ -152,7 +166,7 @@ def family(request):
 def test_cache_types(family):
     name, model, target, _, _ = family
     kinds = {type(c).__name__ for c in target.make_cache()}
-    if name.startswith("gemma"):
+    if name in ("gemma3_text", "olmo3", "gemma4_text"):
         assert any(isinstance(c, RotatingKVCache) for c in model.make_cache())
         assert kinds == {"WindowKVCache", "KVCache"}
     else:
@@ -307,7 +321,7 @@ def test_sampling_third_token_distribution():
     drafter = OracleDrafter(make_drafter(model), prompt + reference(model, prompt, 4))
     strategy = make_strategy(params, None, get_ops())
     mx.random.seed(2026)
-    runs, counts, rejected = 800, np.zeros(V, int), 0
+    runs, counts, rejected = 600, np.zeros(V, int), 0
     for _ in range(runs):
         out, steps = dflash(target, drafter, prompt, 2, strategy, n=3)
         counts[out[2]] += 1
