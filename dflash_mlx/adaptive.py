@@ -88,7 +88,7 @@ def calibrate(
     _, hidden = target.prefill(tokens[:context], cache)
     mx.eval(hidden)
     # The drafter's context as in steady state: the prompt absorbed, a few new rows per step.
-    drafter(target.embed(tokens[:1])[None], hidden[:, :-2], draft_cache, target.lm_head, ops)
+    drafter(target.embed(tokens[:2])[None], hidden[:, :-2], draft_cache, target.lm_head, ops)
     verify, draft = {}, {}
     for B in sizes:
         block = tokens[context : context + B][None]

@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "generate": ("dflash_mlx.cli", "Generate text with DFlash speculative decoding"),
     "train": ("dflash_mlx.train", "Train a DFlash drafter for an mlx_lm target"),
     "benchmark": ("dflash_mlx.benchmark", "Compare mlx_lm decoding and DFlash on benchmark prompts"),
+    "serve": ("dflash_mlx.server", "OpenAI-compatible HTTP server with DFlash speculative decoding"),
 }
 
 
@@ -28,11 +29,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="Sampling top-k (0: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="Sampling min-p (0: off)")
     p.add_argument("--seed", type=int, default=None, help="Random seed for sampling")
-    p.add_argument("--block-size", type=int, default=None, help="Tokens per draft block (default: the drafter's)")
+    add_block_arguments(p)
     p.add_argument("--extra-eos-token", nargs="*", default=[], help="More stop tokens (strings)")
     p.add_argument("--ignore-chat-template", action="store_true", help="Feed the prompt as-is")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="Print stats after the text (default: True)")
+
+
+def block_size_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a block size: give an integer or 'auto'") from None
+
+
+def draft_window_arg(text: str) -> tuple[int, int]:
+    try:
+        keep, recent = (int(x) for x in text.split(":"))
+        return keep, recent
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEEP:RECENT, e.g. 64:1024") from None
+
+
+def add_block_arguments(p: argparse.ArgumentParser) -> None:
+    """Block-size and drafter-window flags, shared by generate and serve."""
+    p.add_argument("--block-size", type=block_size_arg, default=None,
+                   help="Tokens per draft block (default: the drafter's); 'auto' adapts it per step "
+                        "from the measured verify cost and the running acceptance")
+    p.add_argument("--draft-window", type=draft_window_arg, default=None, metavar="KEEP:RECENT",
+                   help="Bound the drafter's context to the first KEEP and last RECENT tokens (long prompts)")
 
 
 def _build_prompt(tokenizer, args: argparse.Namespace) -> str:
@@ -76,6 +103,7 @@ def run(args: argparse.Namespace) -> None:
         min_p=args.min_p,
         block_size=args.block_size,
         stop_tokens=stop_tokens,
+        draft_window=args.draft_window,
     ):
         print(response.text, end="", flush=True)
     print()
