@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.gguf import GGUFFile, is_gguf, write_json
+from dflash_mlx.gguf import PACKED_GROUP_SIZE, GGUFFile, is_gguf, write_json
 
 DTYPES = ("float16", "bfloat16", "float32")
 Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
@@ -50,6 +50,7 @@ class ConversionResult:
     quantization: Optional[dict]
     bits_per_weight: float
     size_bytes: int
+    carried_layers: int = 0  # GGUF layers kept in the file's own quantization, not re-quantized
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,7 @@ def write_model_card(result: ConversionResult, recipe: Optional[dict], folder: P
         f"- Recipe: {recipe_line}",
         f"- Quantization: {quant}",
         f"- Bits per weight: {result.bits_per_weight:.3f}",
+        *([f"- Layers carried over from the GGUF's quantization unchanged: {result.carried_layers}"] if result.carried_layers else []),
         f"- Size: {result.size_bytes / 2**20:.1f} MiB of safetensors",
         "",
     ]
@@ -246,20 +248,46 @@ def write_model_card(result: ConversionResult, recipe: Optional[dict], folder: P
     (folder / "README.md").write_text("\n".join(lines))
 
 
-def verify_target(path: Path) -> None:
-    """Load the written folder with plain mlx_lm and run one forward."""
-    from mlx_lm import load
-
+def _verify(forward: Callable[[], mx.array]) -> None:
+    """Run forward (load the written folder, one small forward) and turn any failure into a
+    DFlashError, so a broken conversion never replaces the destination."""
     try:
-        model, tokenizer = load(str(path))
-        # One token: quantized matmuls on MLX's CPU backend cost seconds per row.
-        tokens = tokenizer.encode("Hello")[:1] or [0]
-        logits = model(mx.array([tokens]))
-        ok = bool(mx.all(mx.isfinite(logits)).item())
+        ok = bool(mx.all(mx.isfinite(forward())).item())
     except Exception as e:
         raise DFlashError(f"the converted model does not load back ({type(e).__name__}: {e}); fix: report this with the source model") from None
     if not ok:
         raise DFlashError("the converted model produces non-finite logits; fix: convert with --dtype float32 or fewer quantized layers")
+
+
+def verify_target(path: Path) -> None:
+    """Load the written folder with plain mlx_lm and run one forward."""
+    from mlx_lm import load
+
+    def forward() -> mx.array:
+        model, tokenizer = load(str(path))
+        # One token: quantized matmuls on MLX's CPU backend cost seconds per row.
+        tokens = tokenizer.encode("Hello")[:1] or [0]
+        return model(mx.array([tokens]))
+
+    _verify(forward)
+
+
+def verify_drafter(path: Path) -> None:
+    """Load the written folder with dflash-mlx's drafter loader and draft one 2-token block from
+    2 random context rows. A drafter has no LM head of its own, so the check stops at its final
+    hidden states (an identity head)."""
+    from dflash_mlx.drafter import load_drafter
+    from dflash_mlx.kernels import get_ops
+
+    def forward() -> mx.array:
+        drafter = load_drafter(str(path))
+        args, dtype = drafter.args, drafter.norm.weight.dtype
+        key = mx.random.key(0)  # leaves the caller's global random state alone
+        context = mx.random.normal((1, 2, len(args.target_layer_ids) * args.hidden_size), key=key)
+        block = mx.random.normal((1, 2, args.hidden_size), key=key)
+        return drafter(block.astype(dtype), context.astype(dtype), drafter.make_cache(), lambda h: h, get_ops(False))
+
+    _verify(forward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,10 +308,8 @@ def _read_config(src: Path) -> dict:
 
 
 def _is_drafter(config: dict) -> bool:
-    try:
-        from dflash_mlx.drafter import is_drafter_config
-    except ImportError:  # until dflash_mlx/drafter.py lands; same rule as its is_drafter_config
-        return "dflash_config" in config or {"block_size", "num_target_layers"} <= config.keys()
+    from dflash_mlx.drafter import is_drafter_config
+
     return is_drafter_config(config)
 
 
@@ -317,7 +343,7 @@ def _convert_target(src: Path, config: dict, out: Path, opts: _Options, recipe: 
     _check_safetensors(src)
     try:
         model, tokenizer, config = mlx_load(str(src), model_config=_lifted_rope(config), lazy=True, return_config=True)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: a config missing arguments the model class requires
         raise DFlashError(
             f"{src} is neither a DFlash drafter nor a target mlx_lm can load ({e}); "
             "fix: pass a DFlash drafter, a supported HF causal LM, or a .gguf file"
@@ -349,34 +375,61 @@ def _convert_gguf(src: Path, out: Path, opts: _Options, recipe: Optional[dict]) 
     except ValueError as e:
         raise DFlashError(f"the tensors of {src.name} do not fit its metadata ({e}); fix: re-export the GGUF") from None
     del weights
+    carried = 0
     if recipe is not None:
         config = quantize(model, config, recipe, opts)
+        carried = carry_over_packed(model, gg.packed_layers(config), getattr(mx, dtype))
     bpw = bits_per_weight(model)
     out.mkdir(exist_ok=True)
     save_model_files(out, model, config)
     gg.write_tokenizer(out)
     write_json(out / "generation_config.json", gg.generation_config())
-    return ConversionResult(out, "target", gg.describe(), recipe and recipe["name"], config.get("quantization"), bpw, weights_size(out))
+    return ConversionResult(
+        out, "target", gg.describe(), recipe and recipe["name"], config.get("quantization"), bpw, weights_size(out), carried
+    )
+
+
+def carry_over_packed(model: nn.Module, packed: dict, dtype: mx.Dtype) -> int:
+    """Swap in the GGUF's own tensors wherever a layer was quantized exactly as the file stores
+    it (same bits, group 32, affine): re-quantizing would round llama.cpp's grid onto a new one,
+    quantizing twice. Returns how many layers were carried over."""
+    carried = 0
+    for path, module in model.named_modules():
+        if path not in packed or not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            continue
+        bits, tensors = packed[path]
+        if (module.mode, module.group_size, module.bits) == ("affine", PACKED_GROUP_SIZE, bits):
+            # Scales and biases are float16 in the file, so any float dtype holds them exactly.
+            module.update({k: v if k == "weight" else v.astype(dtype) for k, v in tensors.items()})
+            carried += 1
+    return carried
 
 
 def _convert_drafter(src: Path, config: dict, out: Path, opts: _Options, recipe: Optional[dict]) -> ConversionResult:
-    """TO BE COMPLETED with dflash_mlx/drafter.py (load_drafter). Intended body, all shared helpers:
+    from dflash_mlx.drafter import load_drafter
 
-        model = load_drafter(str(src))           # parameter names = released checkpoint names
-        cast_floats(model, opts.dtype or config.get("torch_dtype") or config.get("dtype"))
-        if recipe is not None:                   # recipe defaults to drafter_default (fc in float)
-            config = quantize(model, config, recipe, opts)
-        bpw = bits_per_weight(model)
-        out.mkdir(exist_ok=True)
-        save_model_files(out, model, config)
-        return ConversionResult(out, "drafter", str(src), ..., config.get("quantization"), bpw, weights_size(out))
-
-    and, next to verify_target, a drafter check: load_drafter(out) + one forward on random context rows.
-    """
-    raise DFlashError(
-        f"{src} is a DFlash drafter; drafter conversion is not wired yet; fix: use the released "
-        "checkpoint directly with dflash-mlx, which loads it as is"
-    )
+    _check_safetensors(src)
+    if recipe is not None and "quantization" in config:
+        raise DFlashError(f"{src} is already quantized; fix: convert the float (released) drafter instead")
+    try:
+        model = load_drafter(str(src))  # parameter names are the released checkpoint's names
+    except DFlashError as e:
+        raise DFlashError(f"cannot read {src} as a DFlash drafter ({e}); fix: pass a released DFlash drafter folder") from None
+    cast_floats(model, opts.dtype or config.get("torch_dtype") or config.get("dtype"))
+    if recipe is not None:
+        config = quantize(model, config, recipe, opts)
+        per_layer = sorted(k for k, v in config["quantization"].items() if isinstance(v, dict))
+        if per_layer:
+            # load_drafter applies the top-level bits / group size to every quantized layer.
+            raise DFlashError(
+                f"recipe {recipe['name']} gives drafter layers their own settings ({per_layer[0]}, ...), which the "
+                "drafter loader cannot read yet; fix: use a recipe whose quantized layers share --q-bits/--q-group-size "
+                "(keep rules are fine)"
+            )
+    bpw = bits_per_weight(model)
+    out.mkdir(exist_ok=True)
+    save_model_files(out, model, config)
+    return ConversionResult(out, "drafter", str(src), recipe and recipe["name"], config.get("quantization"), bpw, weights_size(out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,15 +535,14 @@ def convert(
             result = _convert_target(src, config, tmp, opts, recipe_data)
         result.path = dst
         write_model_card(result, recipe_data, tmp)
-        if result.kind == "target":
-            verify_target(tmp)
+        (verify_target if result.kind == "target" else verify_drafter)(tmp)
         _publish(tmp, dst, force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return result
 
 
-def add_convert_args(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `convert`'s flags (named like mlx_lm.convert's) on a (sub)parser."""
     parser.add_argument("--model", "--hf-path", required=True, help="model folder, HF repo id, or .gguf file")
     parser.add_argument("--mlx-path", required=True, help="output folder (must not exist unless --force)")
@@ -503,7 +555,7 @@ def add_convert_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing --mlx-path once the new one is complete")
 
 
-def run_convert(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run `convert` from parsed arguments; DFlashError propagates to the CLI's handler."""
     result = convert(
         args.model, args.mlx_path, quantize=args.quantize, q_bits=args.q_bits, q_group_size=args.q_group_size,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -66,6 +67,12 @@ _LAYER_TENSORS = {
 _MX_NATIVE = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}
 # ggml's legacy block formats all use 32 weights per scale.
 _GGML_BLOCK = 32
+# Block formats MLX's affine quantization (w = scale * q + bias, group 32) holds exactly; mx.load
+# returns them packed that way: Q4_0 (w = d * (q - 8)) as scale d, bias -8d; Q4_1 (w = d * q + m)
+# as d, m; Q8_0 (w = d * q, q signed) as q + 128 with bias -128d. Every product and sum is exact
+# in float32, so with float32 scales and biases the MLX layer computes llama.cpp's weights.
+PACKED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+PACKED_GROUP_SIZE = _GGML_BLOCK
 
 
 def _require_gguf() -> Any:
@@ -182,23 +189,48 @@ class GGUFFile:
             "fix: convert the HF checkpoint instead"
         )
 
+    @cached_property
+    def _native(self) -> dict | None:
+        """mx.load's view of the file when it can decode every tensor, else None."""
+        native = {t.tensor_type.name for t in self.reader.tensors} <= _MX_NATIVE
+        return mx.load(str(self.path)) if native else None
+
+    def _to_mlx_rows(self, name: str, w: mx.array, config: dict) -> mx.array:
+        """Undo llama.cpp's Q/K row permutation. It moves whole rows, so it applies alike to
+        float weights and to packed ones with their scales and biases (groups run along a row)."""
+        if self.arch.permuted_qk and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+            return unpermute_qk(w, heads)
+        return w
+
     def weights(self, config: dict, dtype: mx.Dtype) -> Iterator[tuple[str, mx.array]]:
         """Yield (mlx_lm name, weight cast to dtype), dequantizing exactly in float32 first."""
-        tensors = self.reader.tensors
-        native = {t.tensor_type.name for t in tensors} <= _MX_NATIVE
-        stored = mx.load(str(self.path)) if native else None
-        for t in tqdm(tensors, desc="Reading GGUF", unit="tensor", leave=False):
+        stored = self._native
+        for t in tqdm(self.reader.tensors, desc="Reading GGUF", unit="tensor", leave=False):
             name = _mlx_name(t.name, self.path)
             if stored is not None:
                 w = _from_mx_load(stored, t.name)
             else:
                 w = mx.array(_require_gguf().quants.dequantize(t.data, t.tensor_type))
-            if self.arch.permuted_qk and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
-                heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
-                w = unpermute_qk(w, heads)
-            w = w.astype(dtype)
+            w = self._to_mlx_rows(name, w, config).astype(dtype)
             mx.eval(w)  # bound memory: materialise each tensor instead of one lazy graph of all
             yield name, w
+
+    def packed_layers(self, config: dict) -> dict[str, tuple[int, dict[str, mx.array]]]:
+        """The file's own quantized tensors for layers stored as Q4_0/Q4_1/Q8_0:
+        mlx_lm layer path -> (bits, {"weight", "scales", "biases"}) in MLX's affine layout
+        (group size PACKED_GROUP_SIZE, float16 scales and biases as stored)."""
+        stored = self._native or {}
+        layers = {}
+        for t in self.reader.tensors:
+            bits = PACKED_BITS.get(t.tensor_type.name)
+            if bits is None or not t.name.endswith(".weight") or t.name not in stored:
+                continue
+            name = _mlx_name(t.name, self.path)
+            stem = t.name.removesuffix(".weight")
+            parts = {"weight": stored[t.name], "scales": stored[f"{stem}.scales"], "biases": stored[f"{stem}.biases"]}
+            layers[name.removesuffix(".weight")] = (bits, {k: self._to_mlx_rows(name, v, config) for k, v in parts.items()})
+        return layers
 
     def write_tokenizer(self, out_dir: Path) -> None:
         """Rebuild tokenizer.json, tokenizer_config.json and the chat template from metadata."""

@@ -17,10 +17,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from tiny import TARGETS, drafter_config, save_drafter
 
 gguf = pytest.importorskip("gguf")
 
-from dflash_mlx.convert import add_convert_args, convert, load_recipe, run_convert, shipped_recipes
+from dflash_mlx.convert import add_arguments, convert, load_recipe, run, shipped_recipes
 from dflash_mlx.errors import DFlashError
 
 # fp32 conversion reorders no weight and rounds none, so the only difference to the float64
@@ -282,10 +283,10 @@ def test_shipped_recipes_are_valid():
 def test_cli_helpers(tmp_path):
     make_hf_model(tmp_path / "src", "qwen3")
     parser = argparse.ArgumentParser()
-    add_convert_args(parser)
+    add_arguments(parser)
     args = parser.parse_args(["--model", str(tmp_path / "src"), "--mlx-path", str(tmp_path / "out"),
                               "-q", "--q-bits", "8", "--q-group-size", "32", "--dtype", "float16"])
-    assert run_convert(args) == 0
+    assert run(args) == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
 
@@ -344,9 +345,15 @@ def _bad_inputs(tmp: Path) -> dict:
     cases["unsupported gguf type"] = (tmp / "i32.gguf", "type I32, which cannot be dequantized")
     _write_gguf(tmp / "mamba.gguf", "mamba", {"token_embd.weight": np.zeros((4, 8), np.float32)})
     cases["unsupported gguf architecture"] = (tmp / "mamba.gguf", "architecture 'mamba'.*not supported")
-    (tmp / "drafter").mkdir()
-    (tmp / "drafter" / "config.json").write_text(json.dumps({**TINY, "block_size": 16, "num_target_layers": 36}))
-    cases["drafter"] = (tmp / "drafter", "DFlash drafter")
+    draft_config = drafter_config(TARGETS["qwen3"])
+    save_drafter(tmp / "non_dflash", {k: v for k, v in draft_config.items() if k not in ("dflash_config", "block_size")})
+    cases["drafter without dflash_config"] = (tmp / "non_dflash", "neither a DFlash drafter nor a target")
+    save_drafter(tmp / "draft_missing_keys", draft_config)
+    (tmp / "draft_missing_keys" / "config.json").write_text(json.dumps({**draft_config, "hidden_size": 32}))
+    cases["drafter config not matching weights"] = (tmp / "draft_missing_keys", "cannot read .* as a DFlash drafter")
+    save_drafter(tmp / "draft_corrupt", draft_config)
+    (tmp / "draft_corrupt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    cases["corrupt drafter safetensors"] = (tmp / "draft_corrupt", "not a readable safetensors")
     return cases
 
 
