@@ -36,16 +36,20 @@ from __future__ import annotations
 
 import inspect
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator
+from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from .errors import DFlashError
 
-SUPPORTED = "attention (KVCache), sliding-window (RotatingKVCache, keep=0) and Gated DeltaNet (qwen3_next, qwen3_5) layers"
+SUPPORTED = (
+    "attention (KVCache), sliding-window (RotatingKVCache, keep=0) and Gated DeltaNet "
+    "(qwen3_next, qwen3_5) layers"
+)
 
 
 class WindowKVCache:
@@ -146,8 +150,6 @@ def _projection_names(mixer: nn.Module) -> list[str]:
 
 def _check_gated_deltanet(layer_index: int, layer: nn.Module, model_type: str) -> nn.Module:
     """The Gated DeltaNet mixer of ``layer``, or a DFlashError naming what changed."""
-    import mlx_lm
-
     mixer = layer.get("linear_attn") if isinstance(layer, nn.Module) else None
     if mixer is None:
         raise DFlashError(
@@ -227,16 +229,19 @@ class CachePolicy:
         self._records, self._rows, self._cache = [], 0, None
 
     def rollback(self, cache: list, num_tokens: int) -> None:
-        """Drop the last ``num_tokens`` rows of the most recent undoable forward."""
+        """Drop the last ``num_tokens`` rows that the most recent undoable forward added.
+
+        Repeated calls reach back to the start of that forward (a chat's next turn
+        drops the rows the drafter has not seen yet).
+        """
         if not num_tokens:
-            self.forget()
             return
         if (self.mixers or self.windows) and (cache is not self._cache or num_tokens > self._rows):
             # Recurrent state and dropped window rows exist only for the last forward.
             raise DFlashError(
                 f"cannot roll back {num_tokens} tokens on a {self.model_type!r} target: its "
-                f"recurrent/sliding-window layers can only drop rows of the last forward "
-                f"({self._rows} on this cache); start from a fresh cache (target.make_cache())"
+                f"recurrent/sliding-window layers can only drop the {self._rows} rows the last "
+                "forward on this cache added; start from a fresh cache (target.make_cache())"
             )
         keep = self._rows - num_tokens
         for i, c in enumerate(cache):
@@ -250,4 +255,4 @@ class CachePolicy:
                 x = next(iter(record.values()))[0][:, :keep]
                 with _swapped(self.mixers[i], list(record), record, rows=keep):
                     self.mixers[i](x, None, c)
-        self.forget()
+        self._rows = keep

@@ -200,8 +200,12 @@ def live(cache) -> list[mx.array]:
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "gemma3_text"])
-def test_rollback_state_equals_plain_decoding(name):
-    """After verify + rollback the caches hold what feeding the committed tokens leaves."""
+@pytest.mark.parametrize("steps", [[3], [1, 2]])
+def test_rollback_state_equals_plain_decoding(name, steps):
+    """After verify + rollback the caches hold what feeding the committed tokens leaves.
+
+    Rolling back in several calls reaches back to the start of the last forward.
+    """
     model = build(name)
     target = Target(model, [0, 2])
     prompt = mx.array(PROMPT)
@@ -211,7 +215,8 @@ def test_rollback_state_equals_plain_decoding(name):
     target.prefill(prompt, spec, 8)
     target(mx.array([committed]), plain)
     target(mx.array([block]), spec)
-    target.rollback(spec, len(block) - len(committed))
+    for n in steps:
+        target.rollback(spec, n)
     for a, b in zip(plain, spec):
         for x, y in zip(live(a), live(b)):
             assert x.shape == y.shape and mx.allclose(x, y, atol=1e-5).item()
@@ -224,8 +229,9 @@ def test_rollback_only_reaches_the_last_forward():
     cache = target.make_cache()
     target.prefill(mx.array(PROMPT), cache)
     target(mx.array([[1, 2, 3]]), cache)
+    target.rollback(cache, 1)
     with pytest.raises(DFlashError, match="fresh cache"):
-        target.rollback(cache, 4)
+        target.rollback(cache, 3)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
