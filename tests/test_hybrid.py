@@ -7,18 +7,21 @@ correct implementation fails it with probability at most 1e-3 over seeds, and th
 outcome is reproducible.
 """
 
+import json
 import math
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlx_lm.utils import _get_classes
-from tiny import OracleDrafter, drafter_config, save_drafter
+from tiny import EOS_ID, VOCAB, OracleDrafter, drafter_config, save_drafter, save_tokenizer
 
+import dflash_mlx
+from dflash_mlx import stream_generate
 from dflash_mlx.decode import speculative_decode
 from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter
 from dflash_mlx.errors import DFlashError
@@ -290,6 +293,34 @@ def test_sliding_window_yarn_drafter_loads_and_runs(tmp_path):
     ref = reference(model, PROMPT, 16)
     out, _ = dflash(Target(model, [0, 2]), drafter, PROMPT, 4, n=16)
     assert out == ref
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma3_text"])
+def test_load_and_stream_generate(tmp_path, name):
+    """The public path: folders on disk -> dflash_mlx.load -> stream_generate, greedy exact."""
+    config = dict(CONFIGS[name])
+    if "text_config" in config:
+        config["text_config"] = dict(config["text_config"], vocab_size=VOCAB)
+    else:
+        config["vocab_size"] = VOCAB
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))
+    folder = tmp_path / name
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(dict(config, eos_token_id=EOS_ID)))
+    save_tokenizer(folder)
+    draft = drafter_config(
+        dict(hidden_size=H, vocab_size=VOCAB, rope_theta=10000.0, num_hidden_layers=len(model.layers)),
+        target_layer_ids=[0, 2],
+    )
+    pair, tokenizer = dflash_mlx.load(str(folder), str(save_drafter(tmp_path / "draft", draft)))
+    prompt = tokenizer.encode("A prompt longer than the sliding window.")
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), pair.target.model, max_tokens=20)]
+    out = [r.token for r in stream_generate(pair, tokenizer, prompt, 20, block_size=4, prefill_step_size=8)]
+    assert out == ref[: len(out)] and (len(out) == 20 or out[-1] == EOS_ID)
 
 
 def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
