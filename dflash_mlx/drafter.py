@@ -60,6 +60,10 @@ class DrafterArgs:
     mask_token_id: int = 0
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    # Some released drafters (Gemma targets) rescale their block input and logits.
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
@@ -248,14 +252,20 @@ class Drafter(nn.Module):
         lm_head: the target's output head. The new context K/V stay in
         ``cache``; the block's do not.
         """
+        a = self.args
         context = self.hidden_norm(self.fc(context_hidden))
-        h = block_embeddings
+        h = block_embeddings if a.input_embedding_scale == 1 else block_embeddings * a.input_embedding_scale
         for layer, c in zip(self.layers, cache):
             h = layer(h, context, c, ops)
         L = block_embeddings.shape[1]
         for c in cache:
             c.trim(L)
-        return lm_head(self.norm(h)[0, 1:])
+        logits = lm_head(self.norm(h)[0, 1:])
+        if a.output_multiplier != 1:
+            logits = logits * a.output_multiplier
+        if a.final_logit_softcapping:
+            logits = mx.tanh(logits / a.final_logit_softcapping) * a.final_logit_softcapping
+        return logits
 
 
 def load_drafter(path_or_repo: str, dtype: mx.Dtype | None = None) -> Drafter:

@@ -137,3 +137,16 @@ def test_weights_not_matching_config_are_refused(tmp_path):
     (bad / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(DFlashError, match="do not match its config.json"):
         load_drafter(str(bad))
+
+
+def test_embedding_scale_multiplier_and_softcap(tmp_path, head):
+    base = drafter_config(TARGETS["qwen3"])
+    plain = load_drafter(str(save_drafter(tmp_path / "plain", base)))
+    scaled_config = {**base, "dflash_config": {**base["dflash_config"], "input_embedding_scale": 2.0,
+                                               "output_multiplier": 0.5, "final_logit_softcapping": 0.3}}
+    scaled = load_drafter(str(save_drafter(tmp_path / "scaled", scaled_config)))
+    mx.random.seed(0)
+    context, block = mx.random.normal((1, 6, 2 * H)), mx.random.normal((1, 4, H))
+    a = plain(2.0 * block, context, plain.make_cache(), head, OPS)
+    b = scaled(block, context, scaled.make_cache(), head, OPS)
+    np.testing.assert_allclose(np.array(b), np.array(mx.tanh(0.5 * a / 0.3) * 0.3), atol=1e-5)
