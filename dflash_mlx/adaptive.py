@@ -1,7 +1,8 @@
 """Adaptive block size: pick each step's block to maximise expected tokens per second.
 
 A step with block ``B`` costs ``draft(B) + verify(B)`` seconds (measured once per
-loaded model by ``calibrate``) and commits ``1 + sum_k prod_{i<=k} a_i`` tokens in
+loaded model by ``calibrate``; optionally rescaled by the step times actually
+seen) and commits ``1 + sum_k prod_{i<=k} a_i`` tokens in
 expectation, where ``a_i`` is the chance the i-th proposal is accepted given the
 ones before it were (tracked as an EMA of what the target accepted). When no
 block beats plain decoding (``B = 1``: one target row, no draft) the policy
@@ -121,10 +122,19 @@ def cost_curve(model: "DFlashModel", use_metal: bool | None = None) -> CostCurve
 class AdaptiveBlockSize:
     """A ``decode.BlockPolicy`` maximising expected tokens per second.
 
-    prior: assumed acceptance rate of positions not yet observed (optimistic
-    enough that larger blocks get tried). decay: EMA weight of the past per
+    prior: assumed acceptance rate before anything is observed. A position
+    never tested yet borrows the rate of the deepest tested position before it:
+    with the prior alone, a policy that settled on a small block would never
+    learn that longer blocks get accepted. decay: EMA weight of the past per
     observation. probe_every: after this many plain steps, run one speculative
     step to refresh the acceptance estimates.
+
+    timed: let observed step times rescale the calibrated curve, separately for
+    plain and speculative steps (``drift``), so the plain-vs-speculative choice
+    follows what this generation really costs (e.g. at a context length the
+    calibration never saw). Off by default: block sizes then depend on timing,
+    and with them the random draws, so a seeded sampling run stops being
+    reproducible.
     """
 
     def __init__(
@@ -134,21 +144,28 @@ class AdaptiveBlockSize:
         prior: float = 0.6,
         decay: float = 0.8,
         probe_every: int = 16,
+        timed: bool = False,
     ):
         self.curve, self.max_block_size = curve, max_block_size
         self.rates = [prior] * (max_block_size - 1)
+        self.tested = 0  # positions 0..tested-1 have been observed at least once
         self.decay, self.probe_every = decay, probe_every
         self.plain_steps = 0
+        self.timed = timed
+        self.drift = {False: 1.0, True: 1.0}  # observed / calibrated seconds: plain, speculative
 
     def expected_tokens(self, block_size: int) -> float:
         total, run = 1.0, 1.0
-        for a in self.rates[: block_size - 1]:
-            run *= a
+        for i in range(block_size - 1):
+            run *= self.rates[min(i, self.tested - 1)] if self.tested else self.rates[i]
             total += run
         return total
 
+    def step_seconds(self, block_size: int) -> float:
+        return self.curve.step_seconds(block_size) * self.drift[block_size > 1]
+
     def tokens_per_second(self, block_size: int) -> float:
-        return self.expected_tokens(block_size) / self.curve.step_seconds(block_size)
+        return self.expected_tokens(block_size) / self.step_seconds(block_size)
 
     def best(self, smallest: int = 1) -> int:
         return max(range(smallest, self.max_block_size + 1), key=self.tokens_per_second)
@@ -164,11 +181,21 @@ class AdaptiveBlockSize:
         self.plain_steps = 0
         return self.best(smallest=2)
 
-    def observe(self, block_size: int, accepted: int) -> None:
+    def observe(self, block_size: int, accepted: int, seconds: float | None = None) -> None:
         # Proposal i was tested only if all before it were accepted.
-        for i in range(min(accepted + 1, block_size - 1)):
+        observed = min(accepted + 1, block_size - 1)
+        for i in range(observed):
+            if i >= self.tested:  # first sight: start from the estimate it borrowed so far
+                self.rates[i] = self.rates[self.tested - 1] if self.tested else self.rates[i]
             hit = 1.0 if i < accepted else 0.0
             self.rates[i] = self.decay * self.rates[i] + (1 - self.decay) * hit
+        self.tested = max(self.tested, observed)
+        if self.timed and seconds is not None:
+            key = block_size > 1
+            # Clipped: one slow step (the drafter absorbing a whole prompt, a busy
+            # machine) must not switch speculation off for long.
+            ratio = min(seconds / self.curve.step_seconds(block_size), 2 * self.drift[key])
+            self.drift[key] = self.decay * self.drift[key] + (1 - self.decay) * ratio
 
 
 def make_policy(model: "DFlashModel", max_block_size: int | None = None, use_metal: bool | None = None, **kwargs) -> AdaptiveBlockSize:

@@ -29,7 +29,7 @@ class BlockPolicy(Protocol):
 
     def next_block_size(self) -> int: ...
 
-    def observe(self, block_size: int, accepted: int) -> None: ...
+    def observe(self, block_size: int, accepted: int, seconds: float) -> None: ...
 
 
 @dataclass
@@ -151,7 +151,7 @@ def speculative_decode(
             history = mx.concatenate([history, block[: n + 1]])
         anchor = tokens[n : n + 1]
         produced += n + 1
-        if policy:
-            policy.observe(B, n)
         done = time.perf_counter()
+        if policy:
+            policy.observe(B, n, done - tic)
         yield Step(committed, n, drafted - tic, done - drafted, B)

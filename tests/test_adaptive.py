@@ -40,12 +40,33 @@ def test_high_acceptance_uses_large_blocks():
     assert policy.best() > 1
 
 
+def test_policy_grows_the_block_when_everything_is_accepted():
+    # Costs measured on this machine: the prior alone makes block 2 look best at first.
+    curve = CostCurve(verify={1: 1.0, 2: 1.0, 4: 2.0, 8: 1.8, 16: 2.6}, draft={1: 0.0, 2: 0.04, 16: 0.1})
+    policy = AdaptiveBlockSize(curve, 16)
+    sizes = []
+    for _ in range(20):
+        sizes.append(policy.next_block_size())
+        policy.observe(sizes[-1], sizes[-1] - 1)
+    assert sizes[0] < 16 and sizes[-5:] == [16] * 5
+
+
 def test_acceptance_that_dies_after_a_few_positions_gives_a_small_block():
     policy = AdaptiveBlockSize(FLAT, 16)
     for _ in range(40):
         policy.observe(16, 3)  # always the first three proposals, never the fourth
     assert 2 <= policy.best() <= 5
     assert policy.expected_tokens(16) == pytest.approx(policy.expected_tokens(4), abs=0.1)
+
+
+def test_observed_step_times_override_the_calibration():
+    policy = AdaptiveBlockSize(FLAT, 16, timed=True)
+    for _ in range(20):
+        policy.observe(16, 4, seconds=FLAT.step_seconds(16) * 8)  # speculation is 8x dearer than measured
+    assert policy.best() == 1
+    for _ in range(20):
+        policy.observe(1, 0, seconds=FLAT.step_seconds(1) * 8)  # ... and so is everything: it was load
+    assert policy.best() > 1
 
 
 def test_cost_curve_interpolates():
