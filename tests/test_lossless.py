@@ -90,3 +90,12 @@ def test_greedy_sampler_via_match_strategy(family):
     )
     assert out == refs[2][: len(out)]
     assert stats.tau > 2
+
+
+def test_target_model_is_left_untouched(family):
+    """Taps live only for the duration of a call: plain mlx_lm use sees the original layers."""
+    model, tokenizer, prompts, refs = family
+    layers = list(model.target.layers)
+    dflash(model, tokenizer, prompts[0], 4, max_tokens=8)
+    assert all(a is b for a, b in zip(model.target.layers, layers))
+    assert reference(model.target.model, prompts[0]) == refs[0]
