@@ -27,8 +27,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
+from dflash_mlx.drafter import is_drafter_config, load_drafter
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.gguf import PACKED_GROUP_SIZE, GGUFFile, is_gguf, write_json
+from dflash_mlx.kernels import get_ops
 
 DTYPES = ("float16", "bfloat16", "float32")
 Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
@@ -280,8 +282,6 @@ def verify_drafter(path: Path) -> None:
     """Load the written folder with dflash-mlx's drafter loader and draft one 2-token block from
     2 random context rows. A drafter has no LM head of its own, so the check stops at its final
     hidden states (an identity head)."""
-    from dflash_mlx.drafter import load_drafter
-    from dflash_mlx.kernels import get_ops
 
     def forward() -> mx.array:
         drafter = load_drafter(str(path))
@@ -309,12 +309,6 @@ def _read_config(src: Path) -> dict:
     if not isinstance(config, dict):
         raise DFlashError(f"{config_path} is not a JSON object; fix: re-download the model")
     return config
-
-
-def _is_drafter(config: dict) -> bool:
-    from dflash_mlx.drafter import is_drafter_config
-
-    return is_drafter_config(config)
 
 
 def _lifted_rope(config: dict) -> dict:
@@ -412,11 +406,7 @@ def carry_over_packed(model: nn.Module, packed: dict, dtype: mx.Dtype) -> int:
 
 
 def _convert_drafter(src: Path, config: dict, out: Path, opts: _Options, recipe: Optional[dict]) -> ConversionResult:
-    from dflash_mlx.drafter import load_drafter
-
     _check_safetensors(src)
-    if recipe is not None and "quantization" in config:
-        raise DFlashError(f"{src} is already quantized; fix: convert the float (released) drafter instead")
     try:
         model = load_drafter(str(src))  # parameter names are the released checkpoint's names
     except DFlashError as e:
@@ -519,7 +509,7 @@ def convert(
         kind, config = "gguf", None
     else:
         config = _read_config(src)
-        kind = "drafter" if _is_drafter(config) else "target"
+        kind = "drafter" if is_drafter_config(config) else "target"
     recipe_data = None
     if opts.quantize:
         recipe_data = load_recipe(opts.recipe or ("drafter_default" if kind == "drafter" else "target_default"))
