@@ -12,7 +12,7 @@ import mlx_lm
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import kernels
-from .adaptive import CostCurve, make_policy
+from .adaptive import AdaptiveBlockSize, CostCurve, make_policy
 from .decode import DecodeCache, LogitsProcessor, speculative_decode
 from .checkpoint import read_config, resolve
 from .drafter import Drafter, load_drafter
@@ -155,7 +155,7 @@ def stream_generate(
     min_p: float = 0.0,
     sampler: Sampler | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
-    block_size: int | str | None = None,
+    block_size: int | str | AdaptiveBlockSize | None = None,
     stop_tokens: Iterable[int] = (),
     use_metal: bool | None = None,
     prefill_step_size: int = 2048,
@@ -172,15 +172,18 @@ def stream_generate(
     are applied to every verify row with that row's own token history.
 
     ``block_size="auto"`` picks each step's block (up to the drafter's) from the
-    measured cost curve and the running acceptance (``adaptive.py``).
+    measured cost curve and the running acceptance (``adaptive.py``); pass an
+    ``AdaptiveBlockSize`` (``adaptive.make_policy``) to tune the policy.
     ``draft_window=(keep, recent)`` bounds the drafter's context for long
     prompts. ``prompt_cache`` (a ``DecodeCache``) reuses the caches of an
     earlier call whose tokens the new prompt extends; it is updated in place.
     """
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
-    adaptive = block_size == "auto"
-    block_size = model.block_size if block_size in (None, "auto") else block_size
+    policy = block_size if isinstance(block_size, AdaptiveBlockSize) else None
+    if block_size == "auto":
+        policy = make_policy(model, use_metal=use_metal)
+    block_size = policy.max_block_size if policy else model.block_size if block_size is None else block_size
     if not isinstance(block_size, int):
         raise DFlashError(f"block size {block_size!r} is not an integer or 'auto'")
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
@@ -192,7 +195,7 @@ def stream_generate(
     ops = kernels.get_ops(use_metal)
     strategy = make_strategy(params, sampler, ops)
     stops = set(tokenizer.eos_token_ids) | set(stop_tokens)
-    stats = SpeculativeStats(block_size, ops.path, adaptive=adaptive)
+    stats = SpeculativeStats(block_size, ops.path, adaptive=policy is not None)
     if prompt_cache is None:
         prompt_cache = DecodeCache.new(model.target, model.drafter, draft_window)
     detokenizer = tokenizer.detokenizer
@@ -203,7 +206,7 @@ def stream_generate(
         model.target,
         model.drafter,
         strategy,
-        block_size=make_policy(model, block_size, use_metal) if adaptive else block_size,
+        block_size=policy or block_size,
         max_tokens=max_tokens,
         logits_processors=logits_processors,
         prefill_step_size=prefill_step_size,

@@ -158,3 +158,11 @@ def test_make_policy_calibrates_once(setup):
     policy = make_policy(model, max_block_size=4)
     assert model.cost_curve is not None and policy.max_block_size == 4
     assert make_policy(model).curve is model.cost_curve
+
+
+def test_a_policy_object_can_be_passed_as_block_size(setup):
+    model, tokenizer, prompt, ref = setup
+    policy = make_policy(model, max_block_size=4, timed=True, probe_every=2)
+    out, stats = tokens(model, tokenizer, prompt, block_size=policy)
+    assert out == ref[: len(out)]
+    assert stats.adaptive and stats.block_size == 4 and max(stats.block_sizes) <= 4
