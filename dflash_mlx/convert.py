@@ -414,14 +414,6 @@ def _convert_drafter(src: Path, config: dict, out: Path, opts: _Options, recipe:
     cast_floats(model, opts.dtype or config.get("torch_dtype") or config.get("dtype"))
     if recipe is not None:
         config = quantize(model, config, recipe, opts)
-        per_layer = sorted(k for k, v in config["quantization"].items() if isinstance(v, dict))
-        if per_layer:
-            # load_drafter applies the top-level bits / group size to every quantized layer.
-            raise DFlashError(
-                f"recipe {recipe['name']} gives drafter layers their own settings ({per_layer[0]}, ...), which the "
-                "drafter loader cannot read yet; fix: use a recipe whose quantized layers share --q-bits/--q-group-size "
-                "(keep rules are fine)"
-            )
     bpw = bits_per_weight(model)
     out.mkdir(exist_ok=True)
     save_model_files(out, model, config)

@@ -286,7 +286,8 @@ def load_drafter(path_or_repo: str, dtype: mx.Dtype | None = None) -> Drafter:
             group_size=q["group_size"],
             bits=q["bits"],
             mode=q.get("mode", "affine"),
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
+            # Mixed recipes store per-layer settings under the layer's path, as mlx_lm does.
+            class_predicate=lambda p, m: f"{p}.scales" in weights and (q.get(p) if isinstance(q.get(p), dict) else True),
         )
     try:
         model.load_weights(list(weights.items()), strict=True)
