@@ -114,16 +114,23 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="dflash-mlx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
-    for name, (module, help) in SUBCOMMANDS.items():
-        modules[name] = importlib.import_module(module)
-        modules[name].add_arguments(sub.add_parser(name, help=help, description=help))
-    args = parser.parse_args(argv)
+    for name, (_, help) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help, add_help=False)
+    command = parser.parse_args(argv[:1]).command
+    # Only the chosen subcommand's module is imported: start-up stays fast and a
+    # broken optional module cannot take the other subcommands down.
+    module_name, help = SUBCOMMANDS[command]
+    module = importlib.import_module(module_name)
+    sub_parser = argparse.ArgumentParser(prog=f"dflash-mlx {command}", description=help)
+    module.add_arguments(sub_parser)
+    args = sub_parser.parse_args(argv[1:])
     try:
-        modules[args.command].run(args)
+        module.run(args)
     except DFlashError as e:
-        sys.exit(f"dflash-mlx {args.command}: error: {e}")
+        print(f"dflash-mlx {command}: error: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
