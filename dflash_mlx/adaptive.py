@@ -16,6 +16,7 @@ machine, model and dtype.
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -132,8 +133,11 @@ class AdaptiveBlockSize:
     never tested yet borrows the rate of the deepest tested position before it:
     with the prior alone, a policy that settled on a small block would never
     learn that longer blocks get accepted. decay: EMA weight of the past per
-    observation. probe_every: after this many plain steps, run one speculative
-    step to refresh the acceptance estimates.
+    observation. optimism: the block is chosen with each rate raised by
+    ``optimism / sqrt(observations + 1)`` (an upper confidence bound), so
+    positions seen rarely, e.g. after one unlucky early rejection, get tested
+    again instead of capping the block for good. probe_every: after this many
+    plain steps, run one speculative step to refresh the acceptance estimates.
 
     timed: let observed step times rescale the calibrated curve, separately for
     plain and speculative steps (``drift``), so the plain-vs-speculative choice
@@ -151,6 +155,7 @@ class AdaptiveBlockSize:
         decay: float = 0.8,
         probe_every: int = 16,
         timed: bool = False,
+        optimism: float = 0.3,
     ):
         self.curve, self.max_block_size = curve, max_block_size
         self.rates = [prior] * (max_block_size - 1)
@@ -158,24 +163,30 @@ class AdaptiveBlockSize:
         self.tested = 0  # positions 0..tested-1 have been observed at least once
         self.decay, self.probe_every = decay, probe_every
         self.plain_steps = probe_every - 1  # due for a probe: the prior alone must not rule speculation out
-        self.timed = timed
+        self.timed, self.optimism = timed, optimism
         self.drift = {False: 1.0, True: 1.0}  # observed / calibrated seconds: plain, speculative
 
-    def expected_tokens(self, block_size: int) -> float:
+    def rate(self, position: int, optimistic: bool = False) -> float:
+        i = min(position, self.tested - 1) if self.tested else position
+        bonus = self.optimism / math.sqrt(self.seen[position] + 1) if optimistic else 0.0
+        return min(1.0, self.rates[i] + bonus)
+
+    def expected_tokens(self, block_size: int, optimistic: bool = False) -> float:
         total, run = 1.0, 1.0
         for i in range(block_size - 1):
-            run *= self.rates[min(i, self.tested - 1)] if self.tested else self.rates[i]
+            run *= self.rate(i, optimistic)
             total += run
         return total
 
     def step_seconds(self, block_size: int) -> float:
         return self.curve.step_seconds(block_size) * self.drift[block_size > 1]
 
-    def tokens_per_second(self, block_size: int) -> float:
-        return self.expected_tokens(block_size) / self.step_seconds(block_size)
+    def tokens_per_second(self, block_size: int, optimistic: bool = False) -> float:
+        return self.expected_tokens(block_size, optimistic) / self.step_seconds(block_size)
 
     def best(self, smallest: int = 1) -> int:
-        return max(range(smallest, self.max_block_size + 1), key=self.tokens_per_second)
+        """The block size to use next: highest optimistic expected tokens per second."""
+        return max(range(smallest, self.max_block_size + 1), key=lambda b: self.tokens_per_second(b, True))
 
     def next_block_size(self) -> int:
         B = self.best()

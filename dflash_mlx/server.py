@@ -9,6 +9,9 @@ one ``Worker`` thread (MLX streams are per thread), which serves queued
 requests one at a time and keeps the caches of the last conversation so the
 next turn prefills only its new tokens. A handler whose client goes away
 cancels its request, queued or running.
+
+MLX-backed modules are imported inside functions: the CLI imports this module
+to build its parser, and ``dflash-mlx --help`` should not load MLX.
 """
 
 from __future__ import annotations

@@ -51,6 +51,17 @@ def test_policy_grows_the_block_when_everything_is_accepted():
     assert sizes[0] < 16 and sizes[-5:] == [16] * 5
 
 
+def test_policy_recovers_from_an_unlucky_first_step():
+    curve = CostCurve(verify={1: 1.0, 2: 1.2, 4: 1.3, 8: 1.7, 16: 2.0}, draft={1: 0.0, 2: 0.1, 16: 0.3})
+    policy = AdaptiveBlockSize(curve, 16)
+    policy.observe(policy.next_block_size(), 2)  # rejected at position 2 once...
+    sizes = []
+    for _ in range(20):  # ... but the drafter is really right 8 times in a row, wrong on the 9th
+        sizes.append(policy.next_block_size())
+        policy.observe(sizes[-1], min(sizes[-1] - 1, 8))
+    assert sizes[-5:] == [9] * 5  # exactly the useful block: 8 proposals and the bonus
+
+
 def test_acceptance_that_dies_after_a_few_positions_gives_a_small_block():
     policy = AdaptiveBlockSize(FLAT, 16)
     for _ in range(40):
