@@ -139,12 +139,14 @@ class AdaptiveBlockSize:
     again instead of capping the block for good. probe_every: after this many
     plain steps, run one speculative step to refresh the acceptance estimates.
 
-    timed: let observed step times rescale the calibrated curve, separately for
-    plain and speculative steps (``drift``), so the plain-vs-speculative choice
-    follows what this generation really costs (e.g. at a context length the
-    calibration never saw). Off by default: block sizes then depend on timing,
-    and with them the random draws, so a seeded sampling run stops being
-    reproducible.
+    timed: let observed step times rescale the calibrated cost of each block
+    size used (``drift``), so choices follow what this generation really costs,
+    e.g. at a context length the calibration never saw (on MLX CPU, verifying
+    8+ rows at a 4k context costs far more than the short-context curve says).
+    Sizes never used keep their calibrated cost, which makes untried sizes look
+    cheap enough to be tried. Off by default because block sizes then depend
+    on timing, and with them the random draws: seeded sampling would stop
+    being reproducible (greedy output is the same whatever the block sizes).
     """
 
     def __init__(
@@ -164,7 +166,7 @@ class AdaptiveBlockSize:
         self.decay, self.probe_every = decay, probe_every
         self.plain_steps = probe_every - 1  # due for a probe: the prior alone must not rule speculation out
         self.timed, self.optimism = timed, optimism
-        self.drift = {False: 1.0, True: 1.0}  # observed / calibrated seconds: plain, speculative
+        self.drift: dict[int, float] = {}  # block size -> observed / calibrated seconds
 
     def rate(self, position: int, optimistic: bool = False) -> float:
         i = min(position, self.tested - 1) if self.tested else position
@@ -179,7 +181,7 @@ class AdaptiveBlockSize:
         return total
 
     def step_seconds(self, block_size: int) -> float:
-        return self.curve.step_seconds(block_size) * self.drift[block_size > 1]
+        return self.curve.step_seconds(block_size) * self.drift.get(block_size, 1.0)
 
     def tokens_per_second(self, block_size: int, optimistic: bool = False) -> float:
         return self.expected_tokens(block_size, optimistic) / self.step_seconds(block_size)
@@ -212,11 +214,14 @@ class AdaptiveBlockSize:
             self.rates[i] += weight * (hit - self.rates[i])
         self.tested = max(self.tested, observed)
         if self.timed and seconds is not None:
-            key = block_size > 1
-            # Clipped: one slow step (the drafter absorbing a whole prompt, a busy
-            # machine) must not switch speculation off for long.
-            ratio = min(seconds / self.curve.step_seconds(block_size), 2 * self.drift[key])
-            self.drift[key] = self.decay * self.drift[key] + (1 - self.decay) * ratio
+            ratio = seconds / self.curve.step_seconds(block_size)
+            if block_size not in self.drift:
+                self.drift[block_size] = ratio
+            else:
+                # Clipped: one slow step (the drafter absorbing a whole prompt, a
+                # busy machine) must not rule a block size out for long.
+                d = self.drift[block_size]
+                self.drift[block_size] = self.decay * d + (1 - self.decay) * min(ratio, 2 * d)
 
 
 def make_policy(model: "DFlashModel", max_block_size: int | None = None, use_metal: bool | None = None, **kwargs) -> AdaptiveBlockSize:

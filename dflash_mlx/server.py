@@ -444,6 +444,7 @@ class App:
 
 class Handler(BaseHTTPRequestHandler):
     server_version = "dflash-mlx"
+    timeout = 120  # socket timeout: a client that stalls mid-body cannot pin a thread forever
 
     @property
     def app(self) -> App:
