@@ -2,19 +2,21 @@
 
 Each op has a pure-MLX *twin* that runs on every backend and defines the
 semantics. Metal kernels with the same contract (sources in ``metal/``) are
-used instead when Metal is available; ``kernel_path()`` says which one ran.
+used instead when Metal is available; ``KernelOps.path`` names the one in use
+and ``KernelOps.fallbacks`` records any op that had to fall back to its twin.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.resources
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
 import mlx.core as mx
+
+from .errors import DFlashError
 
 
 # -- block attention ---------------------------------------------------------
@@ -290,6 +292,7 @@ class KernelOps:
     greedy_accept: Callable
     match_accept: Callable
     rejection_accept: Callable
+    fallbacks: set[str] = field(default_factory=set)  # "op: reason" for inputs a kernel refused
 
 
 TWINS = KernelOps(
@@ -310,6 +313,7 @@ def make_ops(
 ) -> KernelOps:
     """KernelOps whose kernels go through ``run``. match_accept stays the twin:
     it is a few scalar ops on B - 1 tokens, nothing for a kernel to fuse."""
+    fallbacks: set[str] = set()
 
     def block_attention(q, k, v, *, scale, sliding_window):
         try:
@@ -318,7 +322,7 @@ def make_ops(
                 simdgroups=attention_simdgroups,
             )
         except KernelUnsupported as e:
-            warnings.warn(f"block attention falls back to the MLX twin: {e}", stacklevel=2)
+            fallbacks.add(f"block attention: {e}")
             return block_attention_twin(q, k, v, scale=scale, sliding_window=sliding_window)
         return run(launch)[0]
 
@@ -326,7 +330,7 @@ def make_ops(
         try:
             launch = plan_greedy_accept(logits, proposals, threads=accept_threads)
         except KernelUnsupported as e:
-            warnings.warn(f"greedy accept falls back to the MLX twin: {e}", stacklevel=2)
+            fallbacks.add(f"greedy accept: {e}")
             return greedy_accept_twin(logits, proposals)
         tokens, n = run(launch)
         return tokens, n
@@ -335,12 +339,12 @@ def make_ops(
         try:
             launch = plan_rejection_accept(p, q, proposals, uniforms, threads=accept_threads)
         except KernelUnsupported as e:
-            warnings.warn(f"rejection accept falls back to the MLX twin: {e}", stacklevel=2)
+            fallbacks.add(f"rejection accept: {e}")
             return rejection_accept_twin(p, q, proposals, uniforms)
         tokens, n = run(launch)
         return tokens, n
 
-    return KernelOps(path, block_attention, greedy_accept, match_accept_twin, rejection_accept)
+    return KernelOps(path, block_attention, greedy_accept, match_accept_twin, rejection_accept, fallbacks)
 
 
 @functools.cache
@@ -352,7 +356,7 @@ def get_ops(use_metal: bool | None = None) -> KernelOps:
     """Metal kernels when available (``None``: auto), else the pure-MLX twins."""
     available = mx.metal.is_available()
     if use_metal and not available:
-        raise RuntimeError("Metal kernels were requested but Metal is not available")
+        raise DFlashError("Metal kernels were requested but Metal is not available: drop use_metal")
     if use_metal is False or not available:
         return TWINS
     return _metal_ops()
