@@ -146,6 +146,27 @@ def compute_hidden(target: Target, seqs: list[tuple[np.ndarray, int]], batch: in
     return hidden
 
 
+def _fingerprint(seqs: list[tuple[np.ndarray, int]], layer_ids: list[int]) -> str:
+    lengths = ",".join(str(len(t)) for t, _ in seqs)
+    return json.dumps({"layers": layer_ids, "sequences": len(seqs), "lengths": lengths})
+
+
+def save_hidden(path: Path, seqs: list[tuple[np.ndarray, int]], hidden: list[mx.array], layer_ids: list[int]) -> None:
+    """Cache the hidden states next to the checkpoint: a resumed run skips the target pass."""
+    path.parent.mkdir(exist_ok=True)
+    mx.save_safetensors(str(path), {str(i): h for i, h in enumerate(hidden)},
+                        metadata={"fingerprint": _fingerprint(seqs, layer_ids)})
+
+
+def load_hidden(path: Path, seqs: list[tuple[np.ndarray, int]], layer_ids: list[int]) -> list[mx.array] | None:
+    if not path.is_file():
+        return None
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    if metadata.get("fingerprint") != _fingerprint(seqs, layer_ids):
+        return None  # other data or other target layers: recompute
+    return [arrays[str(i)] for i in range(len(seqs))]
+
+
 def make_batch(
     seqs: list[tuple[np.ndarray, int]],
     hidden: list[mx.array],
@@ -368,8 +389,13 @@ def run(args: argparse.Namespace) -> None:
     model.freeze()
     seqs = sequences(records, tokenizer.eos_token_id, args.max_response_tokens)
     num_tokens = sum(len(t) - a for t, a in seqs)
-    with tqdm(total=len(seqs), desc="target hidden states", unit="seq", dynamic_ncols=True) as bar:
-        hidden = compute_hidden(target, seqs, progress=bar)
+    # In a subfolder: drafter loaders read every safetensors file in --out.
+    hidden_path = out / "cache" / "hidden.safetensors"
+    hidden = load_hidden(hidden_path, seqs, dargs.target_layer_ids)
+    if hidden is None:
+        with tqdm(total=len(seqs), desc="target hidden states", unit="seq", dynamic_ncols=True) as bar:
+            hidden = compute_hidden(target, seqs, progress=bar)
+        save_hidden(hidden_path, seqs, hidden, dargs.target_layer_ids)
 
     drafter = Drafter(dargs)
     mx.eval(drafter.parameters())
