@@ -7,10 +7,9 @@ every row produces the same text.
     python benchmarks/bench_long_context.py                          # tiny fabricated models
     python benchmarks/bench_long_context.py --model M --draft D       # real pair
 
-Blocks: fixed 16; "auto" (what ``--block-size auto`` does for greedy: the
-calibrated cost curve rescaled by the step times it observes, plus the running
-acceptance); "calib" (the calibrated curve only, what sampling runs use so a
-seed stays reproducible). Each row is the best of ``--repeats`` runs: on a
+Blocks: fixed 16; "auto" (what ``--block-size auto`` does: the calibrated
+cost curve and the running acceptance); "timed" (the curve also rescaled by
+the step times observed, ``make_policy(model, timed=True)``). Each row is the best of ``--repeats`` runs: on a
 shared machine noise only ever slows a run down.
 
 Drafters: "random" is the given drafter (tau near 1 when untrained: speculation
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--window", default="64:1024", help="Drafter window KEEP:RECENT for the windowed rows")
     p.add_argument("--wrong-every", type=int, default=9)
-    p.add_argument("--blocks", default="16,auto,calib", help="Block policies to run (comma-separated)")
+    p.add_argument("--blocks", default="16,auto,timed", help="Block policies to run (comma-separated)")
     p.add_argument("--repeats", type=int, default=3, help="Runs per row; the fastest is reported")
     p.add_argument("--drafters", default="random,oracle", help="Drafters to run (comma-separated)")
     args = p.parse_args(argv)
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                 for win in (None, window):
                     runs = []
                     for _ in range(args.repeats):
-                        policy = {"16": 16, "auto": "auto"}.get(block) or make_policy(pair, timed=False)
+                        policy = {"16": 16, "auto": "auto"}.get(block) or make_policy(pair, timed=True)
                         runs.append(run(pair, tokenizer, prompt, args.max_tokens, policy, win))
                     r = max(runs, key=lambda x: x["tps"])
                     w = "-" if win is None else f"{win[0]}:{win[1]}"

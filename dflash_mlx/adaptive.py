@@ -143,10 +143,12 @@ class AdaptiveBlockSize:
     size used (``drift``), so choices follow what this generation really costs,
     e.g. at a context length the calibration never saw (on MLX CPU, verifying
     8+ rows at a 4k context costs far more than the short-context curve says).
-    Sizes never used keep their calibrated cost, which makes untried sizes look
-    cheap enough to be tried. Off by default because block sizes then depend
+    A size never used borrows the rescaling of the nearest size used (the
+    per-step overhead the calibration misses applies to all). Off by default because block sizes then depend
     on timing, and with them the random draws: seeded sampling would stop
-    being reproducible (greedy output is the same whatever the block sizes).
+    being reproducible (greedy output is the same whatever the block sizes),
+    and on a busy machine the timings are noisy enough to cost more than the
+    calibration's blind spots (see benchmarks/bench_long_context.py).
     """
 
     def __init__(
@@ -181,7 +183,10 @@ class AdaptiveBlockSize:
         return total
 
     def step_seconds(self, block_size: int) -> float:
-        return self.curve.step_seconds(block_size) * self.drift.get(block_size, 1.0)
+        if not self.drift:
+            return self.curve.step_seconds(block_size)
+        nearest = min(self.drift, key=lambda b: (abs(b - block_size), b))
+        return self.curve.step_seconds(block_size) * self.drift[nearest]
 
     def tokens_per_second(self, block_size: int, optimistic: bool = False) -> float:
         return self.expected_tokens(block_size, optimistic) / self.step_seconds(block_size)
@@ -219,7 +224,7 @@ class AdaptiveBlockSize:
                 self.drift[block_size] = ratio
             else:
                 # Clipped: one slow step (the drafter absorbing a whole prompt, a
-                # busy machine) must not rule a block size out for long.
+                # busy spell) must not rule a block size out for long.
                 d = self.drift[block_size]
                 self.drift[block_size] = self.decay * d + (1 - self.decay) * min(ratio, 2 * d)
 

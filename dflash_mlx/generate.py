@@ -182,9 +182,7 @@ def stream_generate(
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
     policy = block_size if isinstance(block_size, AdaptiveBlockSize) else None
     if block_size == "auto":
-        # Timing-driven choices cannot change greedy output, but would change which
-        # random draws a seeded sampling run makes.
-        policy = make_policy(model, use_metal=use_metal, timed=temp == 0 and sampler is None)
+        policy = make_policy(model, use_metal=use_metal)
     block_size = policy.max_block_size if policy else model.block_size if block_size is None else block_size
     if not isinstance(block_size, int):
         raise DFlashError(f"block size {block_size!r} is not an integer or 'auto'")

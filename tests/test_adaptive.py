@@ -72,7 +72,8 @@ def test_acceptance_that_dies_after_a_few_positions_gives_a_small_block():
 
 def test_observed_step_times_override_the_calibration():
     policy = AdaptiveBlockSize(FLAT, 16, timed=True)
-    for _ in range(20):
+    policy.observe(1, 0, seconds=FLAT.step_seconds(1))
+    for _ in range(40):  # untried sizes borrow the nearest tried size's timing, so each gets one try
         B = policy.next_block_size()
         # Speculation costs 8x what was calibrated (e.g. a long context), plain decoding as measured.
         policy.observe(B, min(B - 1, 2), seconds=FLAT.step_seconds(B) * (8 if B > 1 else 1))
