@@ -144,11 +144,11 @@ class AdaptiveBlockSize:
     e.g. at a context length the calibration never saw (on MLX CPU, verifying
     8+ rows at a 4k context costs far more than the short-context curve says).
     A size never used borrows the rescaling of the nearest size used (the
-    per-step overhead the calibration misses applies to all). Off by default because block sizes then depend
-    on timing, and with them the random draws: seeded sampling would stop
-    being reproducible (greedy output is the same whatever the block sizes),
-    and on a busy machine the timings are noisy enough to cost more than the
-    calibration's blind spots (see benchmarks/bench_long_context.py).
+    per-step overhead the calibration misses applies to all). Off by default:
+    block sizes then depend on timing, and with them the random draws, so
+    seeded sampling would stop being reproducible (greedy output is the same
+    whatever the block sizes); and on a busy machine the timings are noisy
+    enough to cost more than the calibration's blind spots.
     """
 
     def __init__(
@@ -210,8 +210,8 @@ class AdaptiveBlockSize:
         # Proposal i was tested only if all before it were accepted.
         observed = min(accepted + 1, block_size - 1)
         for i in range(observed):
-            if i >= self.tested:  # first sight: start from the estimate it borrowed so far
-                self.rates[i] = self.rates[self.tested - 1] if self.tested else self.rates[i]
+            if 0 < self.tested <= i:  # first sight: start from the estimate it borrowed so far
+                self.rates[i] = self.rates[self.tested - 1]
             hit = 1.0 if i < accepted else 0.0
             # Averaged with the prior while there are few observations, an EMA after.
             self.seen[i] += 1
@@ -229,7 +229,9 @@ class AdaptiveBlockSize:
                 self.drift[block_size] = self.decay * d + (1 - self.decay) * min(ratio, 2 * d)
 
 
-def make_policy(model: "DFlashModel", max_block_size: int | None = None, use_metal: bool | None = None, **kwargs) -> AdaptiveBlockSize:
+def make_policy(
+    model: "DFlashModel", max_block_size: int | None = None, use_metal: bool | None = None, **kwargs
+) -> AdaptiveBlockSize:
     """An adaptive block-size policy for one generation (pass it as ``block_size``).
 
     Calibrates the model on first use (a second or so on small models); keyword

@@ -139,7 +139,8 @@ def parse_request(body: Any, kind: str, app: "App") -> Request:
     if not isinstance(model, str):
         raise RequestError(400, "model must be a string", "model")
     if model not in app.model_names:
-        raise RequestError(404, f"model {model!r} not found: this server serves {app.model_id!r}", "model", "model_not_found")
+        message = f"model {model!r} not found: this server serves {app.model_id!r}"
+        raise RequestError(404, message, "model", "model_not_found")
     if _integer(body, "n", 1, lo=1) != 1:
         raise RequestError(400, "n > 1 is not supported: send one request per completion", "n")
     if body.get("logprobs") not in (None, False, 0):
@@ -484,7 +485,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
-        kinds = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/completions": "text", "/completions": "text"}
+        kinds = {
+            "/v1/chat/completions": "chat",
+            "/chat/completions": "chat",
+            "/v1/completions": "text",
+            "/completions": "text",
+        }
         try:
             if path not in kinds:
                 raise RequestError(404, f"no route {path}")
@@ -556,7 +562,12 @@ class Handler(BaseHTTPRequestHandler):
         job = request.job
         chat = request.kind == "chat"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4()}"
-        base = {"id": rid, "system_fingerprint": self.app.defaults.fingerprint, "model": request.model, "created": int(time.time())}
+        base = {
+            "id": rid,
+            "system_fingerprint": self.app.defaults.fingerprint,
+            "model": request.model,
+            "created": int(time.time()),
+        }
         obj = ("chat.completion.chunk" if request.stream else "chat.completion") if chat else "text_completion"
         matcher = StopMatcher(request.stop)
 
@@ -608,7 +619,8 @@ class Handler(BaseHTTPRequestHandler):
         if job.cancelled.is_set() and finish is None:
             return  # the client went away mid-request
         if failure is not None:
-            error = {"error": {"message": f"generation failed: {failure}", "type": "server_error", "param": None, "code": None}}
+            message = f"generation failed: {failure}"
+            error = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
             if request.stream:
                 send(error)
                 self.wfile.write(b"data: [DONE]\n\n")
