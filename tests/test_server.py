@@ -258,3 +258,16 @@ def test_openai_client(server, reference):
     assert r.choices[0].text == reference["text"]
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.chat.completions.create(model="default_model", messages=reference["messages"][0], logprobs=True)
+
+
+def test_serve_command_line():
+    from dflash_mlx.cli import SUBCOMMANDS
+    from dflash_mlx.server import add_arguments
+
+    assert SUBCOMMANDS["serve"][0] == "dflash_mlx.server"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--draft", "d", "--block-size", "auto", "--draft-window", "4:64"])
+    assert (args.host, args.port, args.block_size, args.draft_window) == ("127.0.0.1", 8080, "auto", (4, 64))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--draft", "d", "--block-size", "big"])
