@@ -34,12 +34,35 @@ from mlx_lm.generate import generate_step  # noqa: E402
 
 from dflash_mlx import DFlashModel, stream_generate  # noqa: E402
 from dflash_mlx.adaptive import cost_curve, make_policy  # noqa: E402
-from tiny import OracleDrafter  # noqa: E402
+from dflash_mlx.drafter import Drafter  # noqa: E402
 
 TEXT = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
     "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm afternoon sun. "
 )
+
+
+class Oracle(Drafter):
+    """The drafter's real forward (its cost, its cache), then the reference's tokens as proposals.
+
+    Like tests/tiny.OracleDrafter, but builds one-hot rows by comparison instead of
+    an identity matrix, which a real vocabulary (49152) cannot afford.
+    """
+
+    def __init__(self, drafter: Drafter, reference: list[int], wrong_every: int):
+        super().__init__(drafter.args)
+        self.update(drafter.parameters())
+        self.reference, self.wrong_every = reference, wrong_every
+
+    def __call__(self, block_embeddings, context_hidden, cache, lm_head, ops):
+        logits = super().__call__(block_embeddings, context_hidden, cache, lm_head, ops)
+        start = cache[0].offset  # the anchor's position
+        rows = []
+        for pos in range(start + 1, start + block_embeddings.shape[1]):
+            tok = self.reference[pos] if pos < len(self.reference) else 0
+            rows.append(tok + 1 if pos % self.wrong_every == 0 else tok)
+        hot = mx.arange(logits.shape[-1])[None] == mx.array(rows)[:, None]
+        return mx.where(hot, 30.0, 0.0) + 0 * logits
 
 
 def make_tiny(root: Path) -> tuple[str, str]:
@@ -99,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         ref = [int(t) for t, _ in generate_step(mx.array(prompt), model.target.model, max_tokens=args.max_tokens)]
         plain = max((run(model, tokenizer, prompt, args.max_tokens, 1, None) for _ in range(args.repeats)), key=lambda x: x["tps"])
         print(f"{length:>6} {'-':>7} {1:>6} {'-':>9} {plain['tau']:>6.2f} {plain['tps']:>8.1f} {100:>6.0f}  [1]")
-        oracle = DFlashModel(model.target, OracleDrafter(model.drafter, prompt + ref, args.wrong_every), curve)
+        oracle = DFlashModel(model.target, Oracle(model.drafter, prompt + ref, args.wrong_every), curve)
         for name, pair in (("random", model), ("oracle", oracle)):
             if name not in args.drafters.split(","):
                 continue
