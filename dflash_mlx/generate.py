@@ -86,6 +86,7 @@ class SpeculativeStats:
 
     block_size: int  # the largest block used (the adaptive policy's upper bound)
     kernels: str
+    kernel_fallbacks: set[str] = field(default_factory=set)  # ops a Metal kernel refused (ran the twin)
     acceptance_lengths: list[int] = field(default_factory=list)
     block_sizes: list[int] = field(default_factory=list)  # verified rows per step; 1 = plain decoding
     adaptive: bool = False
@@ -195,7 +196,7 @@ def stream_generate(
     ops = kernels.get_ops(use_metal)
     strategy = make_strategy(params, sampler, ops)
     stops = set(tokenizer.eos_token_ids) | set(stop_tokens)
-    stats = SpeculativeStats(block_size, ops.path, adaptive=policy is not None)
+    stats = SpeculativeStats(block_size, ops.path, adaptive=policy is not None, kernel_fallbacks=ops.fallbacks)
     if prompt_cache is None:
         prompt_cache = DecodeCache.new(model.target, model.drafter, draft_window)
     detokenizer = tokenizer.detokenizer
@@ -223,7 +224,7 @@ def stream_generate(
 
     tic = time.perf_counter()
     prompt_tps = 0.0
-    token, n = None, 0
+    token, from_draft, n = None, False, 0
     for n, (token, from_draft) in enumerate(tokens()):
         if n == 0:
             prompt_tps = prompt.size / (time.perf_counter() - tic)
@@ -248,7 +249,7 @@ def stream_generate(
     yield GenerationResponse(
         detokenizer.last_segment,
         token,
-        False,
+        from_draft,
         prompt.size,
         prompt_tps,
         n + 1,
@@ -298,6 +299,7 @@ def format_stats(r: GenerationResponse) -> str:
             f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec",
             f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec",
             f"Acceptance: tau {s.tau:.2f} tokens/step over {len(s.acceptance_lengths)} steps ({mode}; kernels: {s.kernels})",
+            *(f"Kernel fallback to the MLX twin: {reason}" for reason in sorted(s.kernel_fallbacks)),
             f"Acceptance histogram (tokens/step:count): {hist}",
             f"Peak memory: {r.peak_memory:.3f} GB",
         ]
