@@ -9,6 +9,7 @@ from typing import Callable, Iterator, Protocol
 import mlx.core as mx
 
 from .drafter import Drafter
+from .errors import DFlashError
 from .sampling import Strategy
 from .target import Target
 
@@ -59,7 +60,12 @@ class DecodeCache:
         n = 0
         while n < limit and self.tokens[n] == prompt[n]:
             n += 1
-        target.rollback(self.cache, len(self.tokens) - n)
+        try:
+            target.rollback(self.cache, len(self.tokens) - n)
+        except DFlashError:
+            # Recurrent and sliding-window layers only undo their last forward:
+            # a longer rollback means prefilling again from scratch.
+            self.cache, n = target.make_cache(), 0
         for c in self.draft_cache:
             c.trim(c.offset - n)
         del self.tokens[n:]
@@ -106,10 +112,10 @@ def speculative_decode(
     ops = strategy.ops
     policy = None if isinstance(block_size, int) else block_size
     state = prompt_cache if prompt_cache is not None else DecodeCache.new(target, drafter)
-    cache, draft_cache = state.cache, state.draft_cache
     mask = mx.array([drafter.args.mask_token_id], mx.int32)
 
     start = state.reuse(prompt.tolist(), target)
+    cache, draft_cache = state.cache, state.draft_cache
     logits, context = target.prefill(prompt[start:], cache, prefill_step_size)
     state.tokens.extend(prompt[start:].tolist())
     history = prompt

@@ -22,7 +22,7 @@ from tiny import EOS_ID, VOCAB, OracleDrafter, drafter_config, save_drafter, sav
 
 import dflash_mlx
 from dflash_mlx import stream_generate
-from dflash_mlx.decode import speculative_decode
+from dflash_mlx.decode import DecodeCache, speculative_decode
 from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.kernels import get_ops
@@ -398,3 +398,15 @@ def test_changed_mlx_lm_layer_fails_loudly():
     model.layers[0]["linear_attn"] = Renamed()
     with pytest.raises(DFlashError, match=r"mlx_lm .* changed the Gated DeltaNet layer"):
         Target(model, [0, 2])
+
+
+def test_second_chat_turn_reuses_or_restarts_exactly(family):
+    """A prompt that extends the last turn reuses what the caches can give back; never wrong."""
+    name, model, target, drafter, ref = family
+    state = DecodeCache.new(target, drafter)
+    first = list(speculative_decode(mx.array(PROMPT), target, drafter, greedy(), block_size=4,
+                                    max_tokens=12, prefill_step_size=8, prompt_cache=state))
+    turn = PROMPT + [t for s in first for t in s.tokens] + PROMPT[:5]
+    second = list(speculative_decode(mx.array(turn), target, drafter, greedy(), block_size=4,
+                                     max_tokens=12, prefill_step_size=8, prompt_cache=state))
+    assert [t for s in second for t in s.tokens] == reference(model, turn, 12)
