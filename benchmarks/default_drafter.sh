@@ -10,7 +10,7 @@ export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 # 1. Train (target: the embedded SmolLM2-135M-Instruct, converted on first use).
 dflash-mlx train --out "$OUT" --prompts gsm8k stdlib sharegpt --num-prompts "${NUM_PROMPTS:-266}" \
   --max-response-tokens 256 --gen-batch-size 32 --num-layers 1 --target-layer-ids 2 15 28 \
-  --block-size 8 --steps "${STEPS:-300}" --batch-seqs 4 --anchors 16 --lr 1e-3 --save-every 25 \
+  --block-size 8 --steps "${STEPS:-700}" --batch-seqs 4 --anchors 16 --lr 1e-3 --save-every 25 \
   --eval-prompts 4 --eval-max-tokens 96 --seed 0
 
 # 2. Ship it in float16 (half the bytes; widened back to float32 in the user cache on first use).
@@ -25,5 +25,5 @@ save_drafter(load_drafter(sys.argv[1]), shipped_drafter(), mx.float16)
 PY
 
 # 3. Benchmark the default pair (no model arguments) against plain mlx_lm decoding.
-dflash-mlx benchmark --dataset gsm8k humaneval mt-bench --num-prompts "${BENCH_PROMPTS:-3}" \
+dflash-mlx benchmark --dataset gsm8k humaneval mt-bench --num-prompts "${BENCH_PROMPTS:-5}" \
   --max-tokens 128 --output "$OUT/benchmark.json"
