@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import kernels
+from dflash_mlx.errors import DFlashError
 
 needs_metal = pytest.mark.skipif(
     not mx.metal.is_available(), reason="Metal is not available (kernels run on a Mac only)"
@@ -21,7 +22,7 @@ def test_get_ops_selects_backend() -> None:
         assert kernels.get_ops(None) is kernels.get_ops(True)  # built once
     else:
         assert kernels.get_ops(None).path == "mlx"
-        with pytest.raises(RuntimeError, match="not available"):
+        with pytest.raises(DFlashError, match="not available"):
             kernels.get_ops(True)
 
 
