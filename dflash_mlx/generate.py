@@ -225,16 +225,9 @@ def stream_generate(
     tic = time.perf_counter()
     prompt_tps = 0.0
     token, from_draft, n = None, False, 0
-    for n, (token, from_draft) in enumerate(tokens()):
-        if n == 0:
-            prompt_tps = prompt.size / (time.perf_counter() - tic)
-            tic = time.perf_counter()
-        if token in stops:
-            break
-        detokenizer.add_token(token)
-        if n + 1 == max_tokens:
-            break
-        yield GenerationResponse(
+
+    def response(finish_reason: str | None) -> GenerationResponse:
+        return GenerationResponse(
             detokenizer.last_segment,
             token,
             from_draft,
@@ -244,20 +237,21 @@ def stream_generate(
             (n + 1) / (time.perf_counter() - tic),
             mx.get_peak_memory() / 1e9,
             stats,
+            finish_reason,
         )
+
+    for n, (token, from_draft) in enumerate(tokens()):
+        if n == 0:
+            prompt_tps = prompt.size / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        if token in stops:
+            break
+        detokenizer.add_token(token)
+        if n + 1 == max_tokens:
+            break
+        yield response(None)
     detokenizer.finalize()
-    yield GenerationResponse(
-        detokenizer.last_segment,
-        token,
-        from_draft,
-        prompt.size,
-        prompt_tps,
-        n + 1,
-        (n + 1) / (time.perf_counter() - tic),
-        mx.get_peak_memory() / 1e9,
-        stats,
-        "stop" if token in stops else "length",
-    )
+    yield response("stop" if token in stops else "length")
 
 
 def generate(

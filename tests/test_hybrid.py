@@ -8,7 +8,6 @@ outcome is reproducible.
 """
 
 import json
-import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +17,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlx_lm.utils import _get_classes
+from stats import ALPHA, chi_square_p_value
 from tiny import EOS_ID, VOCAB, OracleDrafter, drafter_config, save_drafter, save_tokenizer
 
 import dflash_mlx
@@ -30,7 +30,7 @@ from dflash_mlx.rollback import WindowKVCache
 from dflash_mlx.sampling import SamplingParams, Strategy, make_strategy, probabilities
 from dflash_mlx.target import Target
 
-V, H, WINDOW, ALPHA = 64, 32, 6, 1e-3
+V, H, WINDOW = 64, 32, 6
 _QWEN_HYBRID = dict(
     hidden_size=H,
     intermediate_size=64,
@@ -321,19 +321,6 @@ def test_load_and_stream_generate(tmp_path, name):
     ref = [int(t) for t, _ in generate_step(mx.array(prompt), pair.target.model, max_tokens=20)]
     out = [r.token for r in stream_generate(pair, tokenizer, prompt, 20, block_size=4, prefill_step_size=8)]
     assert out == ref[: len(out)] and (len(out) == 20 or out[-1] == EOS_ID)
-
-
-def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square p-value; bins expected below 5 are pooled (Wilson-Hilferty tail)."""
-    n = counts.sum()
-    order = np.argsort(probs)
-    small = np.cumsum(probs[order] * n) < 5
-    c = [counts[order][small].sum()] + list(counts[order][~small])
-    e = [probs[order][small].sum() * n] + list(probs[order][~small] * n)
-    x = sum((ci - ei) ** 2 / ei for ci, ei in zip(c, e) if ei > 0)
-    k = len(e) - 1
-    z = ((x / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def test_sampling_third_token_distribution():
