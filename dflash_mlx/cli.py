@@ -115,7 +115,9 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="dflash-mlx", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="dflash-mlx", description="Lossless DFlash speculative decoding for MLX."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help, add_help=False)

@@ -40,12 +40,11 @@ class _Tap:
 
 
 def _find(model: nn.Module, name: str) -> Any:
-    for owner in (model, getattr(model, "model", None), getattr(model, "language_model", None)):
+    """``name`` on the model or its text backbone (``model.model``, ``language_model.model``)."""
+    lm = getattr(model, "language_model", None)
+    for owner in (model, getattr(model, "model", None), lm, getattr(lm, "model", None)):
         if owner is not None and name in owner:
             return owner[name]
-        inner = getattr(owner, "model", None) if owner is not None else None
-        if inner is not None and name in inner:
-            return inner[name]
     return None
 
 
