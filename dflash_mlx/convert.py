@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
+from dflash_mlx.checkpoint import load_weights, read_config, resolve
 from dflash_mlx.drafter import is_drafter_config, load_drafter
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.gguf import PACKED_GROUP_SIZE, GGUFFile, is_gguf, write_json
@@ -298,19 +299,6 @@ def verify_drafter(path: Path) -> None:
 # Inputs
 
 
-def _read_config(src: Path) -> dict:
-    config_path = src / "config.json"
-    if not config_path.is_file():
-        raise DFlashError(f"{src} has no config.json; fix: pass a model folder (config.json + *.safetensors) or a .gguf file")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{config_path} is not valid JSON ({e}); fix: re-download the model") from None
-    if not isinstance(config, dict):
-        raise DFlashError(f"{config_path} is not a JSON object; fix: re-download the model")
-    return config
-
-
 def _lifted_rope(config: dict) -> dict:
     """transformers 5 nests rope_theta in rope_parameters; mlx_lm's llama only reads the top level
     and silently falls back to 10000. Lift it so the saved config.json states it."""
@@ -323,22 +311,11 @@ def _lifted_rope(config: dict) -> dict:
     return lifted
 
 
-def _check_safetensors(src: Path) -> None:
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise DFlashError(f"{src} has no *.safetensors weights; fix: download the weights next to config.json")
-    for f in files:
-        try:
-            mx.load(str(f))
-        except Exception as e:
-            raise DFlashError(f"{f} is not a readable safetensors file ({e}); fix: re-download it") from None
-
-
 def _convert_target(src: Path, config: dict, out: Path, opts: _Options, recipe: Optional[dict]) -> ConversionResult:
     from mlx_lm.utils import load as mlx_load
     from mlx_lm.utils import save as mlx_save
 
-    _check_safetensors(src)
+    load_weights(src, "model")
     try:
         model, tokenizer, config = mlx_load(str(src), model_config=_lifted_rope(config), lazy=True, return_config=True)
     except (ValueError, TypeError) as e:  # TypeError: a config missing arguments the model class requires
@@ -406,7 +383,7 @@ def carry_over_packed(model: nn.Module, packed: dict, dtype: mx.Dtype) -> int:
 
 
 def _convert_drafter(src: Path, config: dict, out: Path, opts: _Options, recipe: Optional[dict]) -> ConversionResult:
-    _check_safetensors(src)
+    load_weights(src, "model")
     try:
         model = load_drafter(str(src))  # parameter names are the released checkpoint's names
     except DFlashError as e:
@@ -422,21 +399,6 @@ def _convert_drafter(src: Path, config: dict, out: Path, opts: _Options, recipe:
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
-
-
-def _resolve_source(model: str) -> Path:
-    path = Path(model).expanduser()
-    if path.exists():
-        return path.resolve()
-    if model.count("/") != 1 or model.startswith((".", "/", "~")):
-        raise DFlashError(f"model {model} does not exist; fix: pass an existing folder, a .gguf file or an HF repo id")
-    try:
-        from huggingface_hub import snapshot_download
-
-        patterns = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
-        return Path(snapshot_download(model, allow_patterns=patterns))
-    except Exception as e:
-        raise DFlashError(f"cannot fetch {model} from the Hugging Face hub ({type(e).__name__}); fix: check the repo id and network, or pass a local folder") from None
 
 
 def _publish(tmp: Path, dst: Path, force: bool) -> None:
@@ -486,7 +448,7 @@ def convert(
     `mlx_path` is only replaced (with `force`) once the new folder is complete and loads.
     """
     opts = _resolve_options(quantize, q_bits, q_group_size, q_mode, dtype, recipe)
-    src = _resolve_source(model)
+    src = resolve(model, "model").resolve()
     dst = Path(mlx_path).expanduser().absolute()
     if (dst.exists() or dst.is_symlink()) and not force:
         raise DFlashError(f"destination {dst} already exists; fix: pass --force to replace it or choose another --mlx-path")
@@ -500,7 +462,7 @@ def convert(
             raise DFlashError(f"{src} is not a GGUF file (bad magic); fix: pass a .gguf file or a model folder")
         kind, config = "gguf", None
     else:
-        config = _read_config(src)
+        config = read_config(src)
         kind = "drafter" if is_drafter_config(config) else "target"
     recipe_data = None
     if opts.quantize:
