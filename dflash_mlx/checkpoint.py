@@ -51,9 +51,10 @@ def read_config(path: Path, what: str = "model") -> dict[str, Any]:
 
 
 def load_weights(path: Path, what: str = "drafter") -> dict[str, mx.array]:
-    files = sorted(glob.glob(str(path / "*.safetensors")))
+    # model*.safetensors, as mlx_lm reads: other safetensors in the folder are not weights.
+    files = sorted(glob.glob(str(path / "model*.safetensors")))
     if not files:
-        raise DFlashError(f"{what} folder {path} has no *.safetensors weights; fix: download the weights next to config.json")
+        raise DFlashError(f"{what} folder {path} has no *.safetensors weights (model*.safetensors); fix: download the weights next to config.json")
     weights = {}
     for f in files:
         try:

@@ -34,6 +34,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .checkpoint import read_config
 from .drafter import Attention, Drafter, DrafterArgs, default_target_layer_ids
 from .errors import DFlashError
 from .target import Target
@@ -380,7 +381,7 @@ def run(args: argparse.Namespace) -> None:
     records = [r for r in records if r["id"] < len(train_prompts)]
     data_seconds = time.perf_counter() - tic
 
-    config = json.loads((Path(model_path) / "config.json").read_text())
+    config = read_config(Path(model_path))
     mask_id = default_mask_token(tokenizer) if args.mask_token_id is None else args.mask_token_id
     dargs = make_drafter_args(config, num_layers=args.num_layers, block_size=args.block_size,
                               target_layer_ids=args.target_layer_ids, mask_token_id=mask_id,
