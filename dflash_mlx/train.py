@@ -37,6 +37,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .checkpoint import read_config
 from .drafter import Attention, Drafter, DrafterArgs, default_target_layer_ids
 from .errors import DFlashError
+from .generate import load_target
 from .target import Target
 
 # Loss decay per block size from the paper; other sizes interpolate (B / 2.2).
@@ -353,7 +354,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    import mlx_lm
     from tqdm import tqdm
 
     from .data import generate_responses, load_prompts
@@ -369,7 +369,7 @@ def run(args: argparse.Namespace) -> None:
         from .default import default_target
 
         model_path = str(default_target())
-    model, tokenizer = mlx_lm.load(model_path)
+    model, tokenizer = load_target(model_path)  # one-line errors for a bad path or architecture
     mx.random.seed(args.seed)
 
     prompts = load_prompts(args.prompts, args.num_prompts + args.eval_prompts, args.seed)
