@@ -87,8 +87,9 @@ def calibrate(
     cache, draft_cache = target.make_cache(), drafter.make_cache()
     _, hidden = target.prefill(tokens[:context], cache)
     mx.eval(hidden)
+    head = target.head(drafter.vocab_rows)
     # The drafter's context as in steady state: the prompt absorbed, a few new rows per step.
-    drafter(target.embed(tokens[:2])[None], hidden[:, :-2], draft_cache, target.lm_head, ops)
+    drafter(target.embed(tokens[:2])[None], hidden[:, :-2], draft_cache, head, ops)
     def run_verify(B: int) -> None:
         logits, h = target(tokens[context : context + B][None], cache)
         mx.eval(logits, h)
@@ -96,7 +97,7 @@ def calibrate(
 
     def run_draft(B: int) -> None:
         block = target.embed(tokens[context : context + B][None])
-        logits = drafter(block, hidden[:, -2:], draft_cache, target.lm_head, ops)
+        logits = drafter(block, hidden[:, -2:], draft_cache, head, ops)
         mx.eval(mx.argmax(logits, axis=-1))
         for c in draft_cache:
             c.trim(2)

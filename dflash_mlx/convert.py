@@ -282,7 +282,8 @@ def verify_target(path: Path) -> None:
 def verify_drafter(path: Path) -> None:
     """Load the written folder with dflash-mlx's drafter loader and draft one 2-token block from
     2 random context rows. A drafter has no LM head of its own, so the check stops at its final
-    hidden states (an identity head)."""
+    hidden states (an identity head, tiled to
+    the width of its draft vocabulary if it has one)."""
 
     def forward() -> mx.array:
         drafter = load_drafter(str(path))
@@ -290,7 +291,11 @@ def verify_drafter(path: Path) -> None:
         key = mx.random.key(0)  # leaves the caller's global random state alone
         context = mx.random.normal((1, 2, len(args.target_layer_ids) * args.hidden_size), key=key)
         block = mx.random.normal((1, 2, args.hidden_size), key=key)
-        return drafter(block.astype(dtype), context.astype(dtype), drafter.make_cache(), lambda h: h, get_ops(False))
+        width = args.hidden_size if drafter.vocab_rows is None else drafter.vocab_rows.size
+        head = lambda h: h[..., mx.arange(width) % args.hidden_size]  # noqa: E731
+        logits = drafter(block.astype(dtype), context.astype(dtype), drafter.make_cache(), head, get_ops(False))
+        rows = drafter.vocab_rows  # ids outside a draft vocabulary score -inf by design
+        return logits if rows is None else logits[:, rows]
 
     _verify(forward)
 

@@ -113,6 +113,7 @@ def speculative_decode(
     policy = None if isinstance(block_size, int) else block_size
     state = prompt_cache if prompt_cache is not None else DecodeCache.new(target, drafter)
     mask = mx.array([drafter.args.mask_token_id], mx.int32)
+    head = target.head(drafter.vocab_rows)
 
     start = state.reuse(prompt.tolist(), target)
     cache, draft_cache = state.cache, state.draft_cache
@@ -131,7 +132,7 @@ def speculative_decode(
         B = min(policy.next_block_size() if policy else block_size, max_tokens - produced)
         if B > 1:
             block = mx.concatenate([anchor, mx.repeat(mask, B - 1)])
-            draft_logits = drafter(target.embed(block)[None], context, draft_cache, target.lm_head, ops)
+            draft_logits = drafter(target.embed(block)[None], context, draft_cache, head, ops)
             proposals, q = strategy.propose(draft_logits)
         else:
             proposals, q = mx.zeros((0,), mx.int32), mx.zeros((0, target.vocab_size))

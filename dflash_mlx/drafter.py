@@ -64,6 +64,8 @@ class DrafterArgs:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # Our extension: the drafter proposes only these many (frequent) token ids.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
@@ -217,6 +219,25 @@ class Drafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        if args.draft_vocab_size:
+            # Scoring every draft row against the whole vocabulary is most of a draft's
+            # cost on small targets; the verify step still scores all V, so restricting
+            # what the drafter may propose changes acceptance, never the output.
+            self.draft_vocab = mx.zeros((args.draft_vocab_size,), mx.int32)
+            self.freeze(recurse=False, keys=["draft_vocab"])
+
+    @property
+    def vocab_rows(self) -> mx.array | None:
+        """Token ids the drafter scores (None: all of them); ``Target.head`` takes it."""
+        return self.get("draft_vocab")
+
+    def full_vocab(self, logits: mx.array) -> mx.array:
+        """Scores over the draft vocabulary -> (..., V), -inf for ids it never proposes."""
+        rows = self.vocab_rows
+        if rows is None:
+            return logits
+        full = mx.full((*logits.shape[:-1], self.args.vocab_size), -mx.inf, logits.dtype)
+        return mx.put_along_axis(full, mx.broadcast_to(rows, logits.shape), logits, axis=-1)
 
     def make_cache(self, window: tuple[int, int] | None = None) -> list:
         """Context caches, one per layer; ``window=(keep, recent)`` bounds them.
@@ -249,8 +270,8 @@ class Drafter(nn.Module):
         block_embeddings: (1, L, H) target embeddings of ``[anchor, MASK...]``.
         context_hidden: (1, n, k*H) target hidden states of the context rows not
         yet in ``cache`` (the concatenated outputs of ``target_layer_ids``).
-        lm_head: the target's output head. The new context K/V stay in
-        ``cache``; the block's do not.
+        lm_head: the target's output head restricted to ``vocab_rows``
+        (``Target.head``). The new context K/V stay in ``cache``; the block's do not.
         """
         a = self.args
         context = self.hidden_norm(self.fc(context_hidden))
@@ -265,7 +286,7 @@ class Drafter(nn.Module):
             logits = logits * a.output_multiplier
         if a.final_logit_softcapping:
             logits = mx.tanh(logits / a.final_logit_softcapping) * a.final_logit_softcapping
-        return logits
+        return self.full_vocab(logits)
 
 
 def load_drafter(path_or_repo: str, dtype: mx.Dtype | None = None) -> Drafter:
@@ -296,6 +317,9 @@ def load_drafter(path_or_repo: str, dtype: mx.Dtype | None = None) -> Drafter:
             f"drafter weights in {path} do not match its config.json ({e}): "
             "the checkpoint is incomplete or the config belongs to another model"
         ) from None
+    rows = model.vocab_rows
+    if rows is not None and not (rows.size and 0 <= rows.min().item() and rows.max().item() < args.vocab_size):
+        raise DFlashError(f"drafter draft_vocab in {path} holds ids outside its vocab_size {args.vocab_size}: the checkpoint is corrupt")
     if dtype is not None:
         model.set_dtype(dtype)
     mx.eval(model.parameters())

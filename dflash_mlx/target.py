@@ -8,10 +8,11 @@ so the same model object stays untouched (and as fast) for plain mlx_lm use.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .errors import DFlashError
 from .rollback import CachePolicy
@@ -76,6 +77,7 @@ class Target:
             )
         head = getattr(model, "lm_head", None)
         self.lm_head = head if head is not None else self.embed_tokens.as_linear
+        self._head_module = head if head is not None else self.embed_tokens
 
     @property
     def vocab_size(self) -> int:
@@ -88,6 +90,22 @@ class Target:
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)
         return h if self.embed_scale is None else h * self.embed_scale.astype(h.dtype)
+
+    def head(self, rows: mx.array | None = None) -> Callable[[mx.array], mx.array]:
+        """The output head, or one that scores only the token ids ``rows`` (a drafter's
+        draft vocabulary): the head's rows gathered once, plain or quantized."""
+        if rows is None:
+            return self.lm_head
+        module = self._head_module
+        p = {k: v[rows] for k, v in tree_flatten(module.parameters())}
+        mx.eval(p)
+        if "scales" in p:
+            mode = getattr(module, "mode", "affine")
+            return lambda h: mx.quantized_matmul(h, p["weight"], p["scales"], p.get("biases"), True,
+                                                 module.group_size, module.bits, mode)
+        if "bias" in p:
+            return lambda h: h @ p["weight"].T + p["bias"]
+        return lambda h: h @ p["weight"].T
 
     def make_cache(self) -> list:
         return self.cache_policy.make_cache()

@@ -200,12 +200,30 @@ def make_batch(
     return context, mx.array(first), mx.array(anchors), mx.array(labels), mx.array(valid & valid_anchor[..., None])
 
 
-def loss_fn(drafter, target, context, block_tokens, anchors, labels, valid, weights):
+def loss_fn(drafter, target, head, context, block_tokens, anchors, columns, valid, weights):
+    """``columns``: each label's column in ``head`` (-1: not in the draft vocabulary,
+    so unpredictable: no loss, and counted as a miss)."""
     h = training_hidden(drafter, context, target.embed(block_tokens), anchors)
-    logits = target.lm_head(h)
-    w = weights * valid
-    loss = (nn.losses.cross_entropy(logits, labels) * w).sum() / w.sum()
-    return loss, logits.argmax(-1) == labels
+    logits = head(h)
+    w = weights * (valid & (columns >= 0))
+    loss = (nn.losses.cross_entropy(logits, mx.maximum(columns, 0)) * w).sum() / w.sum()
+    return loss, logits.argmax(-1) == columns
+
+
+def draft_vocabulary(seqs: list[tuple[np.ndarray, int]], size: int, vocab_size: int) -> mx.array:
+    """The ``size`` token ids most frequent in the answers (ties: lower id), ascending."""
+    counts = np.zeros(vocab_size, np.int64)
+    for tokens, answer in seqs:
+        np.add.at(counts, tokens[answer:], 1)
+    top = np.lexsort((np.arange(vocab_size), -counts))[:size]
+    return mx.array(np.sort(top).astype(np.int32))
+
+
+def label_columns(rows: mx.array | None, vocab_size: int) -> mx.array:
+    """(V,) map from token id to its column in the drafter's head, -1 if absent."""
+    if rows is None:
+        return mx.arange(vocab_size, dtype=mx.int32)
+    return mx.full((vocab_size,), -1, mx.int32).at[rows].add(mx.arange(rows.size, dtype=mx.int32) + 1)
 
 
 def block_tokens(first: mx.array, block_size: int, mask_token_id: int) -> mx.array:
@@ -246,6 +264,7 @@ def drafter_config(args: DrafterArgs) -> dict:
         "num_target_layers": args.num_target_layers,
         "torch_dtype": "float32",
         "dflash_config": {"target_layer_ids": args.target_layer_ids, "mask_token_id": args.mask_token_id},
+        **({"draft_vocab_size": args.draft_vocab_size} if args.draft_vocab_size else {}),
     }
 
 
@@ -254,7 +273,8 @@ def save_drafter(drafter: Drafter, out: Path, dtype: mx.Dtype = mx.float32) -> N
     out.mkdir(parents=True, exist_ok=True)
     config = drafter_config(drafter.args)
     config["torch_dtype"] = str(dtype).split(".")[-1]
-    weights = {k: v.astype(dtype) for k, v in tree_flatten(drafter.parameters())}
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in tree_flatten(drafter.parameters())}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -299,6 +319,32 @@ def make_drafter_args(target_config: dict, *, num_layers: int, block_size: int, 
     )
 
 
+def init_from_target(drafter: Drafter, target: Target) -> None:
+    """Start the drafter as the target's last layers instead of at random.
+
+    Drafter layer i copies target layer ``L - n + i`` (same geometry by
+    construction), the final norm copies the target's, and ``fc``/``hidden_norm``
+    start by passing the deepest tapped layer through that first layer's input
+    norm, so the context keys/values begin as the ones the target itself computes
+    there. Training from this point converges far faster on a small budget.
+    """
+    from .target import _find
+
+    n, H = len(drafter.layers), drafter.args.hidden_size
+    for layer, source in zip(drafter.layers, target.layers[-n:]):
+        weights = dict(tree_flatten(source.parameters()))
+        ours = dict(tree_flatten(layer.parameters()))
+        shared = [(k, v) for k, v in weights.items() if k in ours and ours[k].shape == v.shape]
+        if len(shared) != len(weights):
+            raise DFlashError("--init target needs target layers shaped like the drafter's: use --init random")
+        layer.load_weights(shared, strict=False)
+    fc = mx.zeros((H, len(drafter.args.target_layer_ids) * H))
+    deepest = int(np.argmax(drafter.args.target_layer_ids))
+    drafter.fc.weight = fc.at[:, deepest * H : (deepest + 1) * H].add(mx.eye(H))
+    drafter.hidden_norm.weight = mx.array(target.layers[-n].input_layernorm.weight)
+    drafter.norm.weight = mx.array(_find(target.model, "norm").weight)
+
+
 def default_mask_token(tokenizer) -> int:
     """A token the target never writes in answers: pad/unk if distinct from EOS, else id 0."""
     for tid in (tokenizer.pad_token_id, tokenizer.unk_token_id):
@@ -337,7 +383,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-batch-size", type=int, default=32, help="Batch size of the target's answer generation")
     p.add_argument("--num-layers", type=int, default=1, help="Drafter decoder layers")
     p.add_argument("--intermediate-size", type=int, default=None, help="Drafter MLP width (default: the target's)")
+    p.add_argument("--init", choices=["target", "random"], default="target",
+                   help="Drafter initialisation: copies of the target's last layers, or random")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="Target layers fed to the drafter")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="Propose only the N most frequent answer tokens (faster drafts and training; default: all)")
     p.add_argument("--block-size", type=int, default=16, help="Draft block size B (anchor + B-1 proposals)")
     p.add_argument("--gamma", type=float, default=None, help="Loss decay over block positions (default: 7/5/4 for B 16/10/8)")
     p.add_argument("--mask-token-id", type=int, default=None, help="Mask token (default: pad/unk, else 0)")
@@ -389,6 +439,8 @@ def run(args: argparse.Namespace) -> None:
     target = Target(model, dargs.target_layer_ids)
     model.freeze()
     seqs = sequences(records, tokenizer.eos_token_id, args.max_response_tokens)
+    if args.draft_vocab_size:
+        dargs.draft_vocab_size = min(args.draft_vocab_size, dargs.vocab_size)
     num_tokens = sum(len(t) - a for t, a in seqs)
     # In a subfolder: drafter loaders read every safetensors file in --out.
     hidden_path = out / "cache" / "hidden.safetensors"
@@ -399,6 +451,10 @@ def run(args: argparse.Namespace) -> None:
         save_hidden(hidden_path, seqs, hidden, dargs.target_layer_ids)
 
     drafter = Drafter(dargs)
+    if dargs.draft_vocab_size:
+        drafter.draft_vocab = draft_vocabulary(seqs, dargs.draft_vocab_size, dargs.vocab_size)
+    if args.init == "target":
+        init_from_target(drafter, target)
     mx.eval(drafter.parameters())
     warmup = max(1, int(args.warmup * args.steps))
     schedule = optim.join_schedules(
@@ -412,11 +468,12 @@ def run(args: argparse.Namespace) -> None:
     B = args.block_size
     gamma = args.gamma or default_gamma(B)
     weights = mx.exp(-mx.arange(B - 1, dtype=mx.float32) / gamma)
-    grad_fn = nn.value_and_grad(drafter, lambda *a: loss_fn(drafter, target, *a, weights))
+    head, columns = target.head(drafter.vocab_rows), label_columns(drafter.vocab_rows, dargs.vocab_size)
+    grad_fn = nn.value_and_grad(drafter, lambda *a: loss_fn(drafter, target, head, *a, weights))
 
     def train_step(batch):
         context, first, anchors, labels, valid = batch
-        (loss, correct), grads = grad_fn(context, block_tokens(first, B, mask_id), anchors, labels, valid)
+        (loss, correct), grads = grad_fn(context, block_tokens(first, B, mask_id), anchors, columns[labels], valid)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(drafter, grads)
         return loss, correct

@@ -65,7 +65,7 @@ def trained(tmp_path_factory):
     weights = {k: v * 0.5 if v.ndim == 2 and "embed" not in k else v for k, v in weights.items()}
     mx.save_safetensors(str(target / "model.safetensors"), weights)
     out = tmp / "drafter"
-    _train(tmp, target, out, 100)
+    _train(tmp, target, out, 100, "--draft-vocab-size", "48")
     return tmp, target, out
 
 
@@ -74,9 +74,11 @@ def test_micro_drafter_learns(trained):
     result = json.loads((out / "train_result.json").read_text())
     drafter = load_drafter(str(out))  # the released checkpoint layout
     assert drafter.args.block_size == 8
+    assert drafter.vocab_rows.size == 48
     model, tokenizer = mlx_lm.load(str(target))
     prompts = (tmp / "prompts.txt").read_text().splitlines()[40:46]  # the held-out ones
     untrained = Drafter(drafter.args)
+    untrained.draft_vocab = drafter.vocab_rows
     baseline = train.evaluate_tau(Target(model, drafter.args.target_layer_ids), untrained, tokenizer, prompts, 40)
     assert result["held_out"]["tau"] > 1.8, result
     assert result["held_out"]["tau"] > baseline["tau"] + 0.5, (result, baseline)
@@ -109,3 +111,26 @@ def test_resume_continues_the_same_run(trained, tmp_path, monkeypatch):
     b = mx.load(str(resumed / "model.safetensors"))
     for k in a:
         assert np.allclose(np.array(a[k]), np.array(b[k]), atol=1e-5), k
+
+
+def test_init_from_target_reproduces_the_last_target_layer(tiny_pair):
+    """``--init target``: the drafter's context keys/values start as the target's last layer computes them."""
+    target_path, _ = tiny_pair("qwen3")
+    model, _ = mlx_lm.load(str(target_path))
+    config = json.loads((target_path / "config.json").read_text())
+    L = config["num_hidden_layers"]
+    args = train.make_drafter_args(config, num_layers=1, block_size=4, target_layer_ids=[0, L - 2], mask_token_id=0)
+    drafter = Drafter(args)
+    target = Target(model, args.target_layer_ids)
+    train.init_from_target(drafter, target)
+    _, hidden = target(mx.array([[3, 14, 15, 9, 26, 5]]), None)
+    last = model.layers[-1]
+    H = config["hidden_size"]
+    expected = last.self_attn.k_proj(last.input_layernorm(hidden[..., H:]))
+    ours = drafter.layers[0].self_attn.k_proj(drafter.hidden_norm(drafter.fc(hidden)))
+    assert mx.allclose(ours, expected, atol=1e-5).item()
+    assert mx.array_equal(drafter.norm.weight, model.model.norm.weight).item()
+    with pytest.raises(DFlashError, match="--init random"):
+        wide = train.make_drafter_args(config, num_layers=1, block_size=4, target_layer_ids=[L - 2], mask_token_id=0,
+                                       intermediate_size=2 * config["intermediate_size"])
+        train.init_from_target(Drafter(wide), target)

@@ -1,0 +1,86 @@
+"""A draft vocabulary: the drafter scores a subset of token ids; output is unchanged."""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import numpy as np
+import pytest
+from test_lossless import MAX_TOKENS, PROMPTS, dflash, reference
+from tiny import TARGETS, drafter_config, save_target
+
+import dflash_mlx
+from dflash_mlx import DFlashModel, kernels
+from dflash_mlx.convert import convert
+from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.target import Target
+from dflash_mlx.train import save_drafter
+
+
+def vocab_drafter(family: str, rows: mx.array, seed: int = 1) -> Drafter:
+    mx.random.seed(seed)
+    drafter = Drafter(DrafterArgs.from_config(drafter_config(TARGETS[family], draft_vocab_size=rows.size)))
+    drafter.draft_vocab = rows
+    return drafter
+
+
+def random_rows(vocab: int, n: int, seed: int = 0) -> mx.array:
+    return mx.array(np.sort(np.random.default_rng(seed).choice(vocab, n, replace=False)).astype(np.int32))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_head_rows_are_columns_of_the_full_head(tmp_path, quantized):
+    model, _ = mlx_lm.load(str(save_target(tmp_path / "t", "qwen3")))
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    target = Target(model, [1])
+    rows = random_rows(target.vocab_size, 37)
+    h = mx.random.normal((5, target.hidden_size), key=mx.random.key(0))
+    assert mx.allclose(target.head(rows)(h), target.lm_head(h)[:, rows], atol=1e-4).item()
+
+
+def test_drafter_proposes_only_its_vocabulary(tiny_pair):
+    model, _ = mlx_lm.load(str(tiny_pair("qwen3")[0]))
+    rows = random_rows(TARGETS["qwen3"]["vocab_size"], 20)
+    drafter = vocab_drafter("qwen3", rows)
+    target = Target(model, drafter.args.target_layer_ids)
+    _, hidden = target(mx.array([[5, 9, 11, 40, 7]]), None)
+    block = target.embed(mx.array([[7] + [drafter.args.mask_token_id] * 7]))
+    logits = drafter(block, hidden, drafter.make_cache(), target.head(rows), kernels.get_ops(False))
+    outside = np.setdiff1d(np.arange(target.vocab_size), np.array(rows))
+    assert np.isinf(np.array(logits)[:, outside]).all()
+    assert np.isfinite(np.array(logits)[:, np.array(rows)]).all()
+    assert set(np.array(logits.argmax(-1)).tolist()) <= set(np.array(rows).tolist())
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_greedy_matches_mlx_lm_with_a_draft_vocabulary(tiny_pair, family):
+    model, tokenizer = dflash_mlx.load(*map(str, tiny_pair(family)))
+    # Half the ids: the target's own tokens are often outside, so blocks stop early.
+    pair = DFlashModel(model.target, vocab_drafter(family, random_rows(model.target.vocab_size, 64)))
+    for text in PROMPTS:
+        prompt = tokenizer.encode(text)
+        out, stats = dflash(pair, tokenizer, prompt, 8)
+        assert out == reference(model.target.model, prompt)[: len(out)]
+        assert len(out) == MAX_TOKENS or out[-1] == 2
+        assert stats.block_sizes and max(stats.block_sizes) == 8
+
+
+def test_draft_vocabulary_survives_saving_and_conversion(tmp_path):
+    rows = random_rows(TARGETS["qwen3"]["vocab_size"], 48)
+    src, out = tmp_path / "draft", tmp_path / "draft-4bit"
+    save_drafter(vocab_drafter("qwen3", rows), src, mx.bfloat16)
+    assert json.loads((src / "config.json").read_text())["draft_vocab_size"] == 48
+    convert(str(src), str(out), quantize=True, q_bits=4, q_group_size=32)
+    for path in (src, out):
+        loaded = load_drafter(str(path))
+        assert loaded.vocab_rows.dtype == mx.int32 and mx.array_equal(loaded.vocab_rows, rows).item()
+
+
+def test_ids_outside_the_vocabulary_are_refused(tmp_path):
+    rows = random_rows(TARGETS["qwen3"]["vocab_size"], 8)
+    save_drafter(vocab_drafter("qwen3", rows.at[-1].add(10_000)), tmp_path / "bad")
+    with pytest.raises(DFlashError, match="draft_vocab .* outside"):
+        load_drafter(str(tmp_path / "bad"))
