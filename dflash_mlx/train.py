@@ -326,7 +326,8 @@ def init_from_target(drafter: Drafter, target: Target) -> None:
     construction), the final norm copies the target's, and ``fc``/``hidden_norm``
     start by passing the deepest tapped layer through that first layer's input
     norm, so the context keys/values begin as the ones the target itself computes
-    there. Training from this point converges far faster on a small budget.
+    there. On small budgets this start learns faster than a random one (200-step
+    pilot on SmolLM2: held-out loss 5.32 vs 5.58).
     """
     from .target import _find
 
