@@ -410,7 +410,6 @@ def run(args: argparse.Namespace) -> None:
     from .data import generate_responses, load_prompts
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if not args.resume and (out / "trainer_state.json").exists():
         raise DFlashError(f"{out} already holds a training run: pass --resume to continue it or choose another --out")
     if args.block_size < 2:
@@ -421,6 +420,7 @@ def run(args: argparse.Namespace) -> None:
 
         model_path = str(default_target())
     model, tokenizer = load_target(model_path)  # one-line errors for a bad path or architecture
+    out.mkdir(parents=True, exist_ok=True)  # only once the target loaded: no empty folder on a bad --model
     mx.random.seed(args.seed)
 
     prompts = load_prompts(args.prompts, args.num_prompts + args.eval_prompts, args.seed)

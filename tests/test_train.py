@@ -134,3 +134,14 @@ def test_init_from_target_reproduces_the_last_target_layer(tiny_pair):
         wide = train.make_drafter_args(config, num_layers=1, block_size=4, target_layer_ids=[L - 2], mask_token_id=0,
                                        intermediate_size=2 * config["intermediate_size"])
         train.init_from_target(Drafter(wide), target)
+
+
+def test_bad_target_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    from dflash_mlx import cli
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train", "--model", str(tmp_path / "missing"), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert exit.value.code == 1 and len(err.splitlines()) == 1 and "missing" in err
+    assert not out.exists()
