@@ -440,8 +440,6 @@ def run(args: argparse.Namespace) -> None:
     target = Target(model, dargs.target_layer_ids)
     model.freeze()
     seqs = sequences(records, tokenizer.eos_token_id, args.max_response_tokens)
-    if args.draft_vocab_size:
-        dargs.draft_vocab_size = min(args.draft_vocab_size, dargs.vocab_size)
     num_tokens = sum(len(t) - a for t, a in seqs)
     # In a subfolder: drafter loaders read every safetensors file in --out.
     hidden_path = out / "cache" / "hidden.safetensors"
@@ -451,6 +449,8 @@ def run(args: argparse.Namespace) -> None:
             hidden = compute_hidden(target, seqs, progress=bar)
         save_hidden(hidden_path, seqs, hidden, dargs.target_layer_ids)
 
+    if args.draft_vocab_size:
+        dargs.draft_vocab_size = min(args.draft_vocab_size, dargs.vocab_size)
     drafter = Drafter(dargs)
     if dargs.draft_vocab_size:
         drafter.draft_vocab = draft_vocabulary(seqs, dargs.draft_vocab_size, dargs.vocab_size)
