@@ -4,7 +4,8 @@ The recipe follows SpecForge's public one (see REFERENCE.md):
 
 1. Data: the target answers the training prompts itself (greedy), so the drafter
    learns the target's distribution; the target's hidden states at
-   ``target_layer_ids`` over prompt + answer are computed once and kept in memory.
+   ``target_layer_ids`` over prompt + answer are computed once per sequence
+   (cached in ``--out/cache``, so more prompts cost only their own pass) and kept in memory.
 2. Each step samples random anchors in the answers. Every anchor ``a`` makes a
    block ``[x_a, MASK x (B-1)]`` at positions ``a..a+B-1``; all blocks of a
    sequence go through one drafter forward whose mask lets a block see the
@@ -24,6 +25,7 @@ that the held-out evaluation at the end measures with ``stream_generate``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -148,25 +150,35 @@ def compute_hidden(target: Target, seqs: list[tuple[np.ndarray, int]], batch: in
     return hidden
 
 
-def _fingerprint(seqs: list[tuple[np.ndarray, int]], layer_ids: list[int]) -> str:
-    lengths = ",".join(str(len(t)) for t, _ in seqs)
-    return json.dumps({"layers": layer_ids, "sequences": len(seqs), "lengths": lengths})
+def _sequence_key(tokens: np.ndarray) -> str:
+    return hashlib.sha1(tokens.astype(np.int32).tobytes()).hexdigest()
 
 
-def save_hidden(path: Path, seqs: list[tuple[np.ndarray, int]], hidden: list[mx.array], layer_ids: list[int]) -> None:
-    """Cache the hidden states next to the checkpoint: a resumed run skips the target pass."""
-    path.parent.mkdir(exist_ok=True)
-    mx.save_safetensors(str(path), {str(i): h for i, h in enumerate(hidden)},
-                        metadata={"fingerprint": _fingerprint(seqs, layer_ids)})
+def cached_hidden(path: Path, target: Target, seqs: list[tuple[np.ndarray, int]], progress=None) -> list[mx.array]:
+    """Hidden states of ``seqs``, running the target only over sequences the cache lacks.
 
-
-def load_hidden(path: Path, seqs: list[tuple[np.ndarray, int]], layer_ids: list[int]) -> list[mx.array] | None:
-    if not path.is_file():
-        return None
-    arrays, metadata = mx.load(str(path), return_metadata=True)
-    if metadata.get("fingerprint") != _fingerprint(seqs, layer_ids):
-        return None  # other data or other target layers: recompute
-    return [arrays[str(i)] for i in range(len(seqs))]
+    Entries are keyed by a hash of their tokens, so a run given more prompts (or
+    resumed) pays the target pass for the new answers alone. The cache is only
+    valid for one set of tapped layers; other layers start it afresh.
+    """
+    layers = json.dumps(target.layer_ids)
+    cache: dict[str, mx.array] = {}
+    if path.is_file():
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+        if metadata.get("layers") == layers:
+            cache = arrays
+    keys = [_sequence_key(t) for t, _ in seqs]
+    missing = [i for i, k in enumerate(keys) if k not in cache]
+    if progress is not None:
+        progress.reset(total=len(missing))
+    if missing:
+        fresh = compute_hidden(target, [seqs[i] for i in missing], progress=progress)
+        cache.update({keys[i]: h for i, h in zip(missing, fresh)})
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp.safetensors")
+        mx.save_safetensors(str(tmp), {k: cache[k] for k in keys}, metadata={"layers": layers})
+        tmp.replace(path)  # an interrupted save keeps the old cache
+    return [cache[k] for k in keys]
 
 
 def make_batch(
@@ -443,11 +455,8 @@ def run(args: argparse.Namespace) -> None:
     num_tokens = sum(len(t) - a for t, a in seqs)
     # In a subfolder: drafter loaders read every safetensors file in --out.
     hidden_path = out / "cache" / "hidden.safetensors"
-    hidden = load_hidden(hidden_path, seqs, dargs.target_layer_ids)
-    if hidden is None:
-        with tqdm(total=len(seqs), desc="target hidden states", unit="seq", dynamic_ncols=True) as bar:
-            hidden = compute_hidden(target, seqs, progress=bar)
-        save_hidden(hidden_path, seqs, hidden, dargs.target_layer_ids)
+    with tqdm(desc="target hidden states", unit="seq", dynamic_ncols=True) as bar:
+        hidden = cached_hidden(hidden_path, target, seqs, progress=bar)
 
     if args.draft_vocab_size:
         dargs.draft_vocab_size = min(args.draft_vocab_size, dargs.vocab_size)

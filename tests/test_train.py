@@ -145,3 +145,28 @@ def test_bad_target_is_one_line_and_leaves_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert exit.value.code == 1 and len(err.splitlines()) == 1 and "missing" in err
     assert not out.exists()
+
+
+def test_hidden_cache_runs_the_target_only_over_new_sequences(tiny_pair, tmp_path, monkeypatch):
+    target_path, _ = tiny_pair("qwen3")
+    model, _ = mlx_lm.load(str(target_path))
+    target = Target(model, [0, 1])
+    rng = np.random.default_rng(0)
+    seqs = [(rng.integers(3, 60, size=n).astype(np.int32), 2) for n in (7, 12, 9, 15)]
+    path = tmp_path / "cache" / "hidden.safetensors"
+    computed = []
+    real = train.compute_hidden
+    monkeypatch.setattr(train, "compute_hidden", lambda t, s, **kw: computed.append(len(s)) or real(t, s, **kw))
+
+    first = train.cached_hidden(path, target, seqs[:2])
+    both = train.cached_hidden(path, target, seqs)  # two new sequences, two cached
+    again = train.cached_hidden(path, target, seqs[::-1])  # all cached, other order
+    assert computed == [2, 2]
+    for got, (tokens, _) in zip(both, seqs):
+        _, expected = target(mx.array(tokens[None]), None)
+        assert mx.allclose(got.astype(mx.float32), expected[0], rtol=2e-2, atol=2e-2).item()  # bfloat16 storage
+    assert all(mx.array_equal(a, b).item() for a, b in zip(first, both[:2]))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(again, both[::-1]))
+
+    train.cached_hidden(path, Target(model, [1]), seqs)  # other taps: nothing reused
+    assert computed == [2, 2, 4]
