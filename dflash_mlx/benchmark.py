@@ -9,6 +9,10 @@ runs also check that DFlash's tokens equal mlx_lm's, token for token.
 Draft and verify time per step come from a separate profiled DFlash pass on the
 first ``--profile-prompts`` prompts of each dataset: profiling adds a host sync
 per step, so it stays out of the timed runs.
+
+``--block-size auto`` runs DFlash with the adaptive policy (``adaptive.py``);
+the table's ``block`` column is then the mean number of rows verified per step
+(1 = a plain decoding step) and the JSON holds their histogram.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import gzip
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,14 +114,12 @@ class DatasetResult:
     dflash_seconds: float = 0.0
     acceptance_lengths: list[int] = field(default_factory=list)
     mismatches: list[int] = field(default_factory=list)  # prompt indices whose greedy output differed
+    block_sizes: list[int] = field(default_factory=list)  # verified rows per step (varies with --block-size auto)
     draft_seconds: list[float] = field(default_factory=list)
     verify_seconds: list[float] = field(default_factory=list)
 
     def summary(self, greedy: bool) -> dict:
         n = self.acceptance_lengths
-        hist: dict[int, int] = {}
-        for k in n:
-            hist[k] = hist.get(k, 0) + 1
         base = self.baseline_tokens / self.baseline_seconds if self.baseline_seconds else 0.0
         dflash = self.dflash_tokens / self.dflash_seconds if self.dflash_seconds else 0.0
         steps = len(self.draft_seconds)
@@ -127,7 +130,8 @@ class DatasetResult:
             "dflash_tps": round(dflash, 2),
             "speedup": round(dflash / base, 3) if base else None,
             "tau": round(sum(n) / len(n), 3) if n else None,
-            "histogram": dict(sorted(hist.items())),
+            "histogram": dict(sorted(Counter(n).items())),
+            "block_sizes": dict(sorted(Counter(self.block_sizes).items())),
             "draft_ms_per_step": round(1e3 * sum(self.draft_seconds) / steps, 2) if steps else None,
             "verify_ms_per_step": round(1e3 * sum(self.verify_seconds) / steps, 2) if steps else None,
             "match": (not self.mismatches) if greedy else None,
@@ -150,9 +154,11 @@ def _profile(model, prompt: list[int], args: argparse.Namespace, result: Dataset
     from .decode import speculative_decode
     from .sampling import SamplingParams, make_strategy
 
+    from .adaptive import make_policy
+
     ops = kernels.get_ops()
     strategy = make_strategy(SamplingParams(args.temp, 1.0, 0, 0.0), None, ops)
-    block = args.block_size or model.block_size
+    block = make_policy(model) if args.block_size == "auto" else args.block_size or model.block_size
     steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy,
                                block_size=block, max_tokens=args.max_tokens, profile=True)
     for i, step in enumerate(steps):
@@ -190,6 +196,7 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
         result.dflash_tokens += len(spec.tokens) - 1
         result.dflash_seconds += spec.seconds
         result.acceptance_lengths += last.stats.acceptance_lengths
+        result.block_sizes += last.stats.block_sizes
         if base.tokens != spec.tokens:
             result.mismatches.append(i)
         if i < args.profile_prompts:
@@ -200,14 +207,17 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'dataset':<12}{'n':>4}{'mlx_lm tok/s':>14}{'DFlash tok/s':>14}{'speedup':>9}{'tau':>7}{'draft ms':>10}{'verify ms':>11}  match  histogram (tokens/step:count)"
+    head = (f"{'dataset':<12}{'n':>4}{'mlx_lm tok/s':>14}{'DFlash tok/s':>14}{'speedup':>9}{'tau':>7}{'block':>7}"
+            f"{'draft ms':>10}{'verify ms':>11}  match  histogram (tokens/step:count)")
     lines = [head, "-" * len(head)]
     for r in rows:
         hist = " ".join(f"{k}:{v}" for k, v in r["histogram"].items())
+        used = r["block_sizes"]
+        block = sum(k * v for k, v in used.items()) / sum(used.values()) if used else None  # mean verified rows
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         lines.append(
             f"{r['dataset']:<12}{r['num_prompts']:>4}{r['baseline_tps']:>14.2f}{r['dflash_tps']:>14.2f}"
-            f"{fmt(r['speedup'], '.2f'):>8}x{fmt(r['tau'], '.2f'):>7}{fmt(r['draft_ms_per_step'], '.1f'):>10}"
+            f"{fmt(r['speedup'], '.2f'):>8}x{fmt(r['tau'], '.2f'):>7}{fmt(block, '.1f'):>7}{fmt(r['draft_ms_per_step'], '.1f'):>10}"
             f"{fmt(r['verify_ms_per_step'], '.1f'):>11}  {str(r['match']):<6} {hist}"
         )
     return "\n".join(lines)
@@ -219,7 +229,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", nargs="+", default=list(DATASETS), help=f"{', '.join(DATASETS)} or PATH.jsonl")
     p.add_argument("--num-prompts", type=int, default=10, help="Prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=256, help="Tokens to generate per prompt")
-    p.add_argument("--block-size", type=int, default=None, help="Draft block size (default: the drafter's)")
+    from .cli import block_size_arg
+
+    p.add_argument("--block-size", type=block_size_arg, default=None,
+                   help="Draft block size (default: the drafter's); 'auto' adapts it per step (see `generate`)")
     p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0: greedy, checks match)")
     p.add_argument("--seed", type=int, default=0, help="Sampling seed, reset before every generation")
     p.add_argument("--profile-prompts", type=int, default=1, help="Prompts per dataset with a profiled draft/verify pass")
@@ -244,8 +257,9 @@ def run(args: argparse.Namespace) -> None:
         args.model, args.draft = default_pair()
     prompts = {d: load_dataset(d, args.num_prompts, args.gsm8k_path, args.mt_bench_path) for d in args.dataset}
     model, tokenizer = load(args.model, args.draft)
+    block = f"auto (up to {model.block_size})" if args.block_size == "auto" else args.block_size or model.block_size
     header = (f"target {args.model}\ndrafter {args.draft}\nBLAS: {BLAS}; kernels: {kernels.get_ops().path}; "
-              f"block size {args.block_size or model.block_size}; temp {args.temp}; max tokens {args.max_tokens}")
+              f"block size {block}; temp {args.temp}; max tokens {args.max_tokens}")
     print(header, flush=True)
     rows = []
     with tqdm(total=sum(map(len, prompts.values())), desc="benchmark", unit="prompt", dynamic_ncols=True) as bar:

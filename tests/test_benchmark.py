@@ -8,13 +8,14 @@ import pytest
 from dflash_mlx.cli import main
 
 
-def test_benchmark_tiny_pair(tiny_pair, tmp_path, capsys):
+@pytest.mark.parametrize("block", ["4", "auto"])
+def test_benchmark_tiny_pair(tiny_pair, tmp_path, capsys, block):
     target, draft = tiny_pair("qwen3")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello there", "def f(x):", "2 + 2 ="]))
     out = tmp_path / "result.json"
     main(["benchmark", "--model", str(target), "--draft", str(draft), "--dataset", str(prompts),
-          "--num-prompts", "3", "--max-tokens", "24", "--block-size", "4", "--output", str(out)])
+          "--num-prompts", "3", "--max-tokens", "24", "--block-size", block, "--output", str(out)])
     report = json.loads(out.read_text())
     (row,) = report["results"]
     assert row["match"] is True and row["mismatched_prompts"] == []
@@ -22,6 +23,12 @@ def test_benchmark_tiny_pair(tiny_pair, tmp_path, capsys):
     assert row["tau"] >= 1 and sum(row["histogram"].values()) > 0
     assert row["draft_ms_per_step"] is not None and row["verify_ms_per_step"] is not None
     assert report["blas"] and "BLAS:" in capsys.readouterr().out
+    used = {int(k): v for k, v in row["block_sizes"].items()}
+    assert sum(used.values()) == sum(row["histogram"].values())  # one verified block per step
+    if block == "auto":
+        assert report["block_size"] == "auto" and set(used) <= set(range(1, 17))
+    else:  # only steps with fewer than 4 tokens left (at most 3 per prompt) are cut short
+        assert max(used) == 4 and sum(used.values()) - used[4] <= 3 * 3
 
 
 def test_benchmark_datasets_load():
