@@ -154,30 +154,34 @@ def _sequence_key(tokens: np.ndarray) -> str:
     return hashlib.sha1(tokens.astype(np.int32).tobytes()).hexdigest()
 
 
-def cached_hidden(path: Path, target: Target, seqs: list[tuple[np.ndarray, int]], progress=None) -> list[mx.array]:
-    """Hidden states of ``seqs``, running the target only over sequences the cache lacks.
+def cached_hidden(folder: Path, target: Target, seqs: list[tuple[np.ndarray, int]], progress=None,
+                  shard_size: int = 128) -> list[mx.array]:
+    """Hidden states of ``seqs``, running the target only over sequences ``folder`` lacks.
 
     Entries are keyed by a hash of their tokens, so a run given more prompts (or
-    resumed) pays the target pass for the new answers alone. The cache is only
-    valid for one set of tapped layers; other layers start it afresh.
+    resumed) pays the target pass for the new answers alone. New entries are
+    written as shards of ``shard_size`` sequences as they finish, so an
+    interrupted pass keeps what it computed. Shards of other tapped layers are ignored.
     """
     layers = json.dumps(target.layer_ids)
     cache: dict[str, mx.array] = {}
-    if path.is_file():
-        arrays, metadata = mx.load(str(path), return_metadata=True)
+    shards = sorted(folder.glob("hidden-*.safetensors"))
+    for shard in shards:
+        arrays, metadata = mx.load(str(shard), return_metadata=True)
         if metadata.get("layers") == layers:
-            cache = arrays
+            cache.update(arrays)
     keys = [_sequence_key(t) for t, _ in seqs]
-    missing = [i for i, k in enumerate(keys) if k not in cache]
+    missing = sorted({k: i for i, k in enumerate(keys) if k not in cache}.values())
     if progress is not None:
         progress.reset(total=len(missing))
-    if missing:
-        fresh = compute_hidden(target, [seqs[i] for i in missing], progress=progress)
-        cache.update({keys[i]: h for i, h in zip(missing, fresh)})
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(".tmp.safetensors")
-        mx.save_safetensors(str(tmp), {k: cache[k] for k in keys}, metadata={"layers": layers})
-        tmp.replace(path)  # an interrupted save keeps the old cache
+    folder.mkdir(parents=True, exist_ok=True)
+    for n, start in enumerate(range(0, len(missing), shard_size), len(shards)):
+        chunk = missing[start : start + shard_size]
+        fresh = {keys[i]: h for i, h in zip(chunk, compute_hidden(target, [seqs[i] for i in chunk], progress=progress))}
+        tmp = folder / f"tmp-hidden-{n:05d}.safetensors"
+        mx.save_safetensors(str(tmp), fresh, metadata={"layers": layers})
+        tmp.rename(folder / f"hidden-{n:05d}.safetensors")  # whole shards only
+        cache.update(fresh)
     return [cache[k] for k in keys]
 
 
@@ -453,10 +457,9 @@ def run(args: argparse.Namespace) -> None:
     model.freeze()
     seqs = sequences(records, tokenizer.eos_token_id, args.max_response_tokens)
     num_tokens = sum(len(t) - a for t, a in seqs)
-    # In a subfolder: drafter loaders read every safetensors file in --out.
-    hidden_path = out / "cache" / "hidden.safetensors"
+    # Beside the checkpoint, in shards a rerun with more prompts extends.
     with tqdm(desc="target hidden states", unit="seq", dynamic_ncols=True) as bar:
-        hidden = cached_hidden(hidden_path, target, seqs, progress=bar)
+        hidden = cached_hidden(out / "cache", target, seqs, progress=bar)
 
     if args.draft_vocab_size:
         dargs.draft_vocab_size = min(args.draft_vocab_size, dargs.vocab_size)

@@ -152,21 +152,35 @@ def test_hidden_cache_runs_the_target_only_over_new_sequences(tiny_pair, tmp_pat
     model, _ = mlx_lm.load(str(target_path))
     target = Target(model, [0, 1])
     rng = np.random.default_rng(0)
-    seqs = [(rng.integers(3, 60, size=n).astype(np.int32), 2) for n in (7, 12, 9, 15)]
-    path = tmp_path / "cache" / "hidden.safetensors"
+    seqs = [(rng.integers(3, 60, size=n).astype(np.int32), 2) for n in (7, 12, 9, 15, 11)]
+    folder = tmp_path / "cache"
     computed = []
     real = train.compute_hidden
-    monkeypatch.setattr(train, "compute_hidden", lambda t, s, **kw: computed.append(len(s)) or real(t, s, **kw))
 
-    first = train.cached_hidden(path, target, seqs[:2])
-    both = train.cached_hidden(path, target, seqs)  # two new sequences, two cached
-    again = train.cached_hidden(path, target, seqs[::-1])  # all cached, other order
+    def counting(t, s, **kw):
+        if len(computed) == 2 and kw.get("fail"):
+            raise RuntimeError("interrupted")
+        computed.append(len(s))
+        return real(t, s, progress=kw.get("progress"))
+
+    monkeypatch.setattr(train, "compute_hidden", counting)
+    first = train.cached_hidden(folder, target, seqs[:2])
+    asked = seqs[:4] + seqs[:1]  # two new sequences (and a repeat)
+    both = train.cached_hidden(folder, target, asked)
+    again = train.cached_hidden(folder, target, seqs[3::-1])  # all cached, other order
     assert computed == [2, 2]
-    for got, (tokens, _) in zip(both, seqs):
+    for got, (tokens, _) in zip(both, asked):
         _, expected = target(mx.array(tokens[None]), None)
         assert mx.allclose(got.astype(mx.float32), expected[0], rtol=2e-2, atol=2e-2).item()  # bfloat16 storage
     assert all(mx.array_equal(a, b).item() for a, b in zip(first, both[:2]))
-    assert all(mx.array_equal(a, b).item() for a, b in zip(again, both[::-1]))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(again, both[3::-1]))
 
-    train.cached_hidden(path, Target(model, [1]), seqs)  # other taps: nothing reused
-    assert computed == [2, 2, 4]
+    other = Target(model, [1])  # other taps: nothing reused; an interrupted pass keeps its whole shards
+    monkeypatch.setattr(train, "compute_hidden", lambda t, s, **kw: counting(t, s, fail=True, **kw))
+    computed.clear()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        train.cached_hidden(folder, other, seqs, shard_size=2)
+    assert computed == [2, 2] and not list(folder.glob("tmp-*"))
+    monkeypatch.setattr(train, "compute_hidden", counting)
+    train.cached_hidden(folder, other, seqs, shard_size=2)
+    assert computed == [2, 2, 1]
