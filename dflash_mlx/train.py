@@ -171,7 +171,8 @@ def cached_hidden(folder: Path, target: Target, seqs: list[tuple[np.ndarray, int
         if metadata.get("layers") == layers:
             cache.update(arrays)
     keys = [_sequence_key(t) for t, _ in seqs]
-    missing = sorted({k: i for i, k in enumerate(keys) if k not in cache}.values())
+    # Unique missing sequences, by length: a shard's batches then pad little.
+    missing = sorted({k: i for i, k in enumerate(keys) if k not in cache}.values(), key=lambda i: len(seqs[i][0]))
     if progress is not None:
         progress.reset(total=len(missing))
     folder.mkdir(parents=True, exist_ok=True)
