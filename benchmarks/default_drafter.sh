@@ -10,7 +10,7 @@ OUT=${OUT:-runs/smollm2-drafter}
 #    2 layers: predicting the token after the anchor needs one layer to move the anchor into the
 #    mask rows and a second to look it up in the context. The draft vocabulary (8192 ids) cuts the
 #    head, most of a draft's and of a training step's cost on this target.
-dflash-mlx train --out "$OUT" --prompts gsm8k stdlib sharegpt --num-prompts "${NUM_PROMPTS:-800}" \
+dflash-mlx train --out "$OUT" --prompts gsm8k stdlib sharegpt --num-prompts "${NUM_PROMPTS:-1717}" \
   --max-response-tokens 256 --gen-batch-size 32 --num-layers 2 --target-layer-ids 2 15 28 \
   --draft-vocab-size 8192 --init target --block-size 8 --steps "${STEPS:-2600}" --batch-seqs 4 \
   --anchors 32 --lr 1e-3 --save-every 100 --eval-prompts 4 --eval-max-tokens 96 --seed 0
