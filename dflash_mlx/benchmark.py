@@ -151,10 +151,9 @@ def _profile(model, prompt: list[int], args: argparse.Namespace, result: Dataset
     import mlx.core as mx
 
     from . import kernels
+    from .adaptive import make_policy
     from .decode import speculative_decode
     from .sampling import SamplingParams, make_strategy
-
-    from .adaptive import make_policy
 
     ops = kernels.get_ops()
     strategy = make_strategy(SamplingParams(args.temp, 1.0, 0, 0.0), None, ops)
