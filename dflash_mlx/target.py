@@ -61,6 +61,7 @@ class Target:
         layers = _find(model, "layers")
         self.layers = layers if isinstance(layers, list) else model.layers
         self.embed_tokens = _find(model, "embed_tokens")
+        self.final_norm = _find(model, "norm")
         model_type = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
         if self.embed_tokens is None or not self.layers:
             raise DFlashError(
