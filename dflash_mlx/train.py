@@ -217,38 +217,13 @@ def make_batch(
     return context, mx.array(first), mx.array(anchors), mx.array(labels), mx.array(valid & valid_anchor[..., None])
 
 
-def teacher_logits(target: Target, head, context: mx.array, anchors: mx.array, block_size: int) -> mx.array:
-    """The target's own logits (S, N, B-1, V') for every block label, from the cached states.
-
-    The deepest tapped layer's output goes through the target's remaining layers,
-    final norm and head: row ``a+k-1`` is the distribution the target drew label
-    ``x_{a+k}`` from. No extra pass over the data, and on the usual taps (the
-    second-to-last layer) one target layer per step.
-    """
-    H, deepest = target.hidden_size, max(target.layer_ids)
-    i = target.layer_ids.index(deepest)
-    h = context[..., i * H : (i + 1) * H]
-    for layer in target.layers[deepest + 1 :]:
-        h = layer(h, mask="causal", cache=None)
-    S, N = anchors.shape
-    rows = mx.minimum(anchors[..., None] + mx.arange(block_size - 1), context.shape[1] - 1).reshape(S, -1)
-    h = mx.take_along_axis(h, rows[..., None], axis=1)
-    return head(target.final_norm(h)).reshape(S, N, block_size - 1, -1)
-
-
-def loss_fn(drafter, target, head, context, block_tokens, anchors, columns, valid, weights, teacher=None, distill=0.0):
+def loss_fn(drafter, target, head, context, block_tokens, anchors, columns, valid, weights):
     """``columns``: each label's column in ``head`` (-1: not in the draft vocabulary,
-    so unpredictable: no loss, and counted as a miss). With ``teacher`` logits, a
-    ``distill`` share of the loss is KL(target || drafter) over the draft vocabulary."""
+    so unpredictable: no loss, and counted as a miss)."""
     h = training_hidden(drafter, context, target.embed(block_tokens), anchors)
     logits = head(h)
     w = weights * (valid & (columns >= 0))
-    per_row = nn.losses.cross_entropy(logits, mx.maximum(columns, 0))
-    if teacher is not None and distill > 0:
-        p = mx.softmax(teacher, axis=-1)
-        kl = (p * (mx.log(p + 1e-20) - nn.log_softmax(logits, axis=-1))).sum(-1)
-        per_row = (1 - distill) * per_row + distill * kl
-    loss = (per_row * w).sum() / w.sum()
+    loss = (nn.losses.cross_entropy(logits, mx.maximum(columns, 0)) * w).sum() / w.sum()
     return loss, logits.argmax(-1) == columns
 
 
@@ -434,8 +409,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="Draft block size B (anchor + B-1 proposals)")
     p.add_argument("--gamma", type=float, default=None, help="Loss decay over block positions (default: 7/5/4 for B 16/10/8)")
     p.add_argument("--mask-token-id", type=int, default=None, help="Mask token (default: pad/unk, else 0)")
-    p.add_argument("--distill", type=float, default=0.0,
-                   help="Share of the loss that matches the target's full distribution (KL) instead of its token")
     p.add_argument("--steps", type=int, default=600, help="Optimizer steps")
     p.add_argument("--batch-seqs", type=int, default=4, help="Sequences per step")
     p.add_argument("--anchors", type=int, default=32, help="Random anchors (blocks) per sequence per step")
@@ -456,8 +429,6 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if not args.resume and (out / "trainer_state.json").exists():
         raise DFlashError(f"{out} already holds a training run: pass --resume to continue it or choose another --out")
-    if not 0 <= args.distill <= 1:
-        raise DFlashError(f"--distill {args.distill} is a share of the loss: use a value from 0 to 1")
     if args.block_size < 2:
         raise DFlashError(f"--block-size {args.block_size} leaves nothing to draft: use 2 or more")
     model_path = args.model
@@ -512,12 +483,11 @@ def run(args: argparse.Namespace) -> None:
     gamma = args.gamma or default_gamma(B)
     weights = mx.exp(-mx.arange(B - 1, dtype=mx.float32) / gamma)
     head, columns = target.head(drafter.vocab_rows), label_columns(drafter.vocab_rows, dargs.vocab_size)
-    grad_fn = nn.value_and_grad(drafter, lambda *a, teacher: loss_fn(drafter, target, head, *a, weights, teacher, args.distill))
+    grad_fn = nn.value_and_grad(drafter, lambda *a: loss_fn(drafter, target, head, *a, weights))
 
     def train_step(batch):
         context, first, anchors, labels, valid = batch
-        teacher = teacher_logits(target, head, context, anchors, B) if args.distill > 0 else None
-        (loss, correct), grads = grad_fn(context, block_tokens(first, B, mask_id), anchors, columns[labels], valid, teacher=teacher)
+        (loss, correct), grads = grad_fn(context, block_tokens(first, B, mask_id), anchors, columns[labels], valid)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(drafter, grads)
         return loss, correct
