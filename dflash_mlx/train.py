@@ -164,13 +164,14 @@ def cached_hidden(folder: Path, target: Target, seqs: list[tuple[np.ndarray, int
     interrupted pass keeps what it computed. Shards of other tapped layers are ignored.
     """
     layers = json.dumps(target.layer_ids)
+    keys = [_sequence_key(t) for t, _ in seqs]
+    wanted = set(keys)  # a run with fewer prompts than the cache holds keeps only its own
     cache: dict[str, mx.array] = {}
     shards = sorted(folder.glob("hidden-*.safetensors"))
     for shard in shards:
         arrays, metadata = mx.load(str(shard), return_metadata=True)
         if metadata.get("layers") == layers:
-            cache.update(arrays)
-    keys = [_sequence_key(t) for t, _ in seqs]
+            cache.update((k, v) for k, v in arrays.items() if k in wanted)
     # Unique missing sequences, by length: a shard's batches then pad little.
     missing = sorted({k: i for i, k in enumerate(keys) if k not in cache}.values(), key=lambda i: len(seqs[i][0]))
     if progress is not None:
