@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from . import kernels
-
-if TYPE_CHECKING:
-    from .generate import DFlashModel
+from .model import DFlashModel
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -66,7 +64,7 @@ def _seconds(fn) -> float:
 
 
 def calibrate(
-    model: "DFlashModel",
+    model: DFlashModel,
     max_block_size: int | None = None,
     context: int = 128,
     repeats: int = 5,
@@ -120,11 +118,15 @@ def calibrate(
     return CostCurve(verify, draft)
 
 
-def cost_curve(model: "DFlashModel", use_metal: bool | None = None) -> CostCurve:
-    """The model's cost curve, calibrated on first use and kept on the model."""
-    if model.cost_curve is None:
-        model.cost_curve = calibrate(model, use_metal=use_metal)
-    return model.cost_curve
+# One calibration per loaded pair, for as long as the pair lives.
+_curves: "weakref.WeakKeyDictionary[DFlashModel, CostCurve]" = weakref.WeakKeyDictionary()
+
+
+def cost_curve(model: DFlashModel, use_metal: bool | None = None) -> CostCurve:
+    """The pair's cost curve, calibrated on its first adaptive use and remembered after."""
+    if model not in _curves:
+        _curves[model] = calibrate(model, use_metal=use_metal)
+    return _curves[model]
 
 
 class AdaptiveBlockSize:
@@ -231,7 +233,7 @@ class AdaptiveBlockSize:
 
 
 def make_policy(
-    model: "DFlashModel", max_block_size: int | None = None, use_metal: bool | None = None, **kwargs
+    model: DFlashModel, max_block_size: int | None = None, use_metal: bool | None = None, **kwargs
 ) -> AdaptiveBlockSize:
     """An adaptive block-size policy for one generation (pass it as ``block_size``).
 

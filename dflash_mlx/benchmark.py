@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DFlashError
+from .flags import add_pair_arguments, block_size_arg, finite_float, resolve_pair
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 DEFAULT_GSM8K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -171,7 +172,7 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
-    from .generate import stream_generate
+    from .generation import stream_generate
 
     result = DatasetResult(name, len(prompts))
     for i, text in enumerate(prompts):
@@ -223,16 +224,13 @@ def format_table(rows: list[dict]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Target (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None, help="DFlash drafter (default: the embedded one)")
+    add_pair_arguments(p)
     p.add_argument("--dataset", nargs="+", default=list(DATASETS), help=f"{', '.join(DATASETS)} or PATH.jsonl")
     p.add_argument("--num-prompts", type=int, default=10, help="Prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=256, help="Tokens to generate per prompt")
-    from .cli import block_size_arg
-
     p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="Draft block size (default: the drafter's); 'auto' adapts it per step (see `generate`)")
-    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0: greedy, checks match)")
+    p.add_argument("--temp", type=finite_float, default=0.0, help="Sampling temperature (0: greedy, checks match)")
     p.add_argument("--seed", type=int, default=0, help="Sampling seed, reset before every generation")
     p.add_argument("--profile-prompts", type=int, default=1, help="Prompts per dataset with a profiled draft/verify pass")
     p.add_argument("--gsm8k-path", type=Path, default=None, help=f"GSM8K jsonl (default: {DEFAULT_GSM8K})")
@@ -244,16 +242,11 @@ def run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from . import BLAS, kernels
-    from .generate import load
+    from .model import load
 
     if args.num_prompts < 1 or args.max_tokens < 2:
         raise DFlashError("--num-prompts must be >= 1 and --max-tokens >= 2")
-    if (args.model is None) != (args.draft is None):
-        raise DFlashError("pass both --model and --draft, or neither for the embedded default pair")
-    if args.model is None:
-        from .default import default_pair
-
-        args.model, args.draft = default_pair()
+    resolve_pair(args)
     prompts = {d: load_dataset(d, args.num_prompts, args.gsm8k_path, args.mt_bench_path) for d in args.dataset}
     model, tokenizer = load(args.model, args.draft)
     block = f"auto (up to {model.block_size})" if args.block_size == "auto" else args.block_size or model.block_size

@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from .errors import DFlashError
+from .flags import add_block_arguments, add_pair_arguments, add_sampling_arguments, resolve_pair
 
 # subcommand -> (module exposing add_arguments(parser) and run(args), help)
 SUBCOMMANDS = {
@@ -19,48 +20,17 @@ SUBCOMMANDS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="Target model: local folder or Hub repo id (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None, help="DFlash drafter: local folder or Hub repo id (default: the embedded one)")
+    add_pair_arguments(p)
     p.add_argument("--prompt", "-p", default="hello", help="Message for the model ('-' reads stdin)")
     p.add_argument("--system", "--system-prompt", dest="system", help="System prompt")
     p.add_argument("--max-tokens", "-m", type=int, default=256, help="Maximum tokens to generate")
-    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p")
-    p.add_argument("--top-k", type=int, default=0, help="Sampling top-k (0: off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="Sampling min-p (0: off)")
+    add_sampling_arguments(p)
     p.add_argument("--seed", type=int, default=None, help="Random seed for sampling")
     add_block_arguments(p)
     p.add_argument("--extra-eos-token", nargs="*", default=[], help="More stop tokens (strings)")
     p.add_argument("--ignore-chat-template", action="store_true", help="Feed the prompt as-is")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="Print stats after the text (default: True)")
-
-
-def block_size_arg(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a block size: give an integer or 'auto'") from None
-
-
-def draft_window_arg(text: str) -> tuple[int, int]:
-    try:
-        keep, recent = (int(x) for x in text.split(":"))
-        return keep, recent
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEEP:RECENT, e.g. 64:1024") from None
-
-
-def add_block_arguments(p: argparse.ArgumentParser) -> None:
-    """Block-size and drafter-window flags, shared by generate and serve."""
-    p.add_argument("--block-size", type=block_size_arg, default=None,
-                   help="Tokens per draft block (default: the drafter's); 'auto' adapts it per step "
-                        "from the measured verify cost and the running acceptance")
-    p.add_argument("--draft-window", type=draft_window_arg, default=None, metavar="KEEP:RECENT",
-                   help="Bound the drafter's context to the first KEEP and last RECENT tokens (long prompts)")
 
 
 def _build_prompt(tokenizer, args: argparse.Namespace) -> str:
@@ -75,14 +45,11 @@ def _build_prompt(tokenizer, args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
-    from .generate import format_stats, load, stream_generate
+    from .generation import stream_generate
+    from .model import load
+    from .stats import format_stats
 
-    if (args.model is None) != (args.draft is None):
-        raise DFlashError("pass both --model and --draft, or neither for the embedded default pair")
-    if args.model is None:
-        from .default import default_pair
-
-        args.model, args.draft = default_pair()
+    resolve_pair(args)
     model, tokenizer = load(args.model, args.draft)
     stop_tokens = []
     for text in args.extra_eos_token:

@@ -75,8 +75,7 @@ def default_drafter() -> Path:
     """The shipped drafter as float32 (CPU matmuls are fast in fp32 only)."""
     import mlx.core as mx
 
-    from .drafter import load_drafter
-    from .train import save_drafter
+    from .drafter import load_drafter, save_drafter
 
     shipped = shipped_drafter()
     if not (shipped / "config.json").is_file():

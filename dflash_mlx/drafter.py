@@ -8,11 +8,14 @@ target's, so a checkpoint holds neither.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
@@ -324,3 +327,38 @@ def load_drafter(path_or_repo: str, dtype: mx.Dtype | None = None) -> Drafter:
         model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
+
+
+def drafter_config(args: DrafterArgs) -> dict:
+    """config.json of a drafter in the released layout (plus our draft vocabulary)."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_hidden_layers,
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.intermediate_size,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.rms_norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": args.rope_scaling,
+        "max_position_embeddings": args.max_position_embeddings,
+        "block_size": args.block_size,
+        "num_target_layers": args.num_target_layers,
+        "torch_dtype": "float32",
+        "dflash_config": {"target_layer_ids": args.target_layer_ids, "mask_token_id": args.mask_token_id},
+        **({"draft_vocab_size": args.draft_vocab_size} if args.draft_vocab_size else {}),
+    }
+
+
+def save_drafter(drafter: Drafter, out: Path, dtype: mx.Dtype = mx.float32) -> None:
+    """config.json + model.safetensors, loadable by ``load_drafter`` and the converter."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = drafter_config(drafter.args)
+    config["torch_dtype"] = str(dtype).split(".")[-1]
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in tree_flatten(drafter.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -122,7 +122,7 @@ def parse_request(body: Any, kind: str, app: "App") -> Request:
     """Validate a completion request body into a Job, or raise RequestError (4xx)."""
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-    from .generate import MAX_BLOCK_SIZE
+    from .model import MAX_BLOCK_SIZE
     from .sampling import SamplingParams
 
     if not isinstance(body, dict):
@@ -355,7 +355,7 @@ class Worker(threading.Thread):
 
     def _load(self) -> None:
         from .adaptive import cost_curve
-        from .generate import load
+        from .model import load
 
         self.model, self.tokenizer = load(self.args.model, self.args.draft)
         if self.args.block_size == "auto":
@@ -371,7 +371,7 @@ class Worker(threading.Thread):
     def _generate(self, job: Job) -> None:
         import mlx.core as mx
 
-        from .generate import stream_generate
+        from .generation import stream_generate
 
         kwargs = dict(job.sampling)
         kwargs.setdefault("block_size", self.args.block_size)
@@ -647,7 +647,7 @@ class Server(ThreadingHTTPServer):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import add_block_arguments
+    from .flags import add_block_arguments
 
     p.add_argument("--model", required=True, help="Target model: local folder or Hub repo id")
     p.add_argument("--draft", required=True, help="DFlash drafter: local folder or Hub repo id")

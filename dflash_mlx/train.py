@@ -37,9 +37,9 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .checkpoint import read_config
-from .drafter import Attention, Drafter, DrafterArgs, default_target_layer_ids
+from .drafter import Attention, Drafter, DrafterArgs, default_target_layer_ids, save_drafter
 from .errors import DFlashError
-from .generate import load_target
+from .model import load_target
 from .target import Target
 
 # Loss decay per block size from the paper; other sizes interpolate (B / 2.2).
@@ -260,41 +260,7 @@ def acceptance_proxy(correct: np.ndarray, valid: np.ndarray) -> tuple[float, flo
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints in the released layout
-
-
-def drafter_config(args: DrafterArgs) -> dict:
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": args.hidden_size,
-        "num_hidden_layers": args.num_hidden_layers,
-        "num_attention_heads": args.num_attention_heads,
-        "num_key_value_heads": args.num_key_value_heads,
-        "head_dim": args.head_dim,
-        "intermediate_size": args.intermediate_size,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.rms_norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": args.rope_scaling,
-        "max_position_embeddings": args.max_position_embeddings,
-        "block_size": args.block_size,
-        "num_target_layers": args.num_target_layers,
-        "torch_dtype": "float32",
-        "dflash_config": {"target_layer_ids": args.target_layer_ids, "mask_token_id": args.mask_token_id},
-        **({"draft_vocab_size": args.draft_vocab_size} if args.draft_vocab_size else {}),
-    }
-
-
-def save_drafter(drafter: Drafter, out: Path, dtype: mx.Dtype = mx.float32) -> None:
-    """config.json + model.safetensors, loadable by ``load_drafter`` and the converter."""
-    out.mkdir(parents=True, exist_ok=True)
-    config = drafter_config(drafter.args)
-    config["torch_dtype"] = str(dtype).split(".")[-1]
-    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-               for k, v in tree_flatten(drafter.parameters())}
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+# Training checkpoints: the drafter in the released layout, plus optimizer state
 
 
 def save_checkpoint(out: Path, drafter: Drafter, optimizer: optim.Optimizer, step: int, train_config: dict) -> None:
@@ -374,7 +340,8 @@ def default_mask_token(tokenizer) -> int:
 
 def evaluate_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[str], max_tokens: int, progress=None) -> dict:
     """Real greedy DFlash generations on held-out prompts: tau = tokens / steps."""
-    from .generate import DFlashModel, stream_generate
+    from .generation import stream_generate
+    from .model import DFlashModel
 
     model = DFlashModel(target, drafter)
     lengths: list[int] = []

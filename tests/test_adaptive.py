@@ -7,7 +7,7 @@ from tiny import OracleDrafter
 
 import dflash_mlx
 from dflash_mlx import DFlashModel, stream_generate
-from dflash_mlx.adaptive import AdaptiveBlockSize, CostCurve, calibrate, make_policy
+from dflash_mlx.adaptive import AdaptiveBlockSize, CostCurve, calibrate, cost_curve, make_policy
 from dflash_mlx.decode import DecodeCache
 from dflash_mlx.drafter import ContextWindowCache
 
@@ -172,8 +172,10 @@ def test_prefix_reuse_equals_fresh_run(setup):
 def test_make_policy_calibrates_once(setup):
     model = DFlashModel(setup[0].target, setup[0].drafter)
     policy = make_policy(model, max_block_size=4)
-    assert model.cost_curve is not None and policy.max_block_size == 4
-    assert make_policy(model).curve is model.cost_curve
+    assert policy.max_block_size == 4
+    assert make_policy(model).curve is policy.curve is cost_curve(model)
+    # Another pair object over the same models is calibrated on its own.
+    assert cost_curve(DFlashModel(model.target, model.drafter)) is not policy.curve
 
 
 def test_a_policy_object_can_be_passed_as_block_size(setup):

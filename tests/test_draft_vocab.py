@@ -13,10 +13,9 @@ from tiny import TARGETS, drafter_config, save_target
 import dflash_mlx
 from dflash_mlx import DFlashModel, kernels
 from dflash_mlx.convert import convert
-from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter
+from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter, save_drafter
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.target import Target
-from dflash_mlx.train import save_drafter
 
 
 def vocab_drafter(family: str, rows: mx.array, seed: int = 1) -> Drafter:

@@ -1,117 +1,21 @@
-"""mlx_lm-shaped API: ``load``, ``stream_generate``, ``generate``."""
+"""mlx_lm-shaped generation: ``stream_generate`` yields one response per token, ``generate`` collects them."""
 
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generator, Iterable
 
 import mlx.core as mx
-import mlx_lm
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import kernels
-from .adaptive import AdaptiveBlockSize, CostCurve, make_policy
+from .adaptive import AdaptiveBlockSize, make_policy
 from .decode import DecodeCache, LogitsProcessor, speculative_decode
-from .checkpoint import read_config, resolve
-from .drafter import Drafter, load_drafter
 from .errors import DFlashError
+from .model import MAX_BLOCK_SIZE, DFlashModel
 from .sampling import Sampler, SamplingParams, make_strategy
-from .target import Target
-
-MAX_BLOCK_SIZE = 32
-
-
-@dataclass
-class DFlashModel:
-    """A target and the drafter that speculates for it."""
-
-    target: Target
-    drafter: Drafter
-    cost_curve: CostCurve | None = None  # measured on first adaptive use (see adaptive.py)
-
-    @property
-    def block_size(self) -> int:
-        return self.drafter.args.block_size
-
-
-def check_pair(target: Target, drafter: Drafter) -> None:
-    a = drafter.args
-    if a.hidden_size != target.hidden_size:
-        raise DFlashError(
-            f"drafter hidden size {a.hidden_size} does not match the target's {target.hidden_size}: "
-            "use the drafter trained for this target"
-        )
-    if a.vocab_size != target.vocab_size:
-        raise DFlashError(
-            f"drafter vocab size {a.vocab_size} does not match the target's {target.vocab_size}: "
-            "use the drafter trained for this target"
-        )
-    if not 0 <= a.mask_token_id < target.vocab_size:
-        raise DFlashError(
-            f"drafter mask_token_id {a.mask_token_id} is outside the target vocabulary "
-            f"(size {target.vocab_size}): fix dflash_config.mask_token_id in the drafter config"
-        )
-
-
-def load_target(path_or_repo: str) -> tuple[mx.array, TokenizerWrapper]:
-    path = resolve(str(path_or_repo), "model")
-    config = read_config(path)
-    try:
-        return mlx_lm.load(str(path))
-    except ValueError as e:
-        if "not supported" in str(e):
-            raise DFlashError(
-                f"unsupported target architecture {config.get('model_type')!r}: "
-                "mlx_lm cannot load it; upgrade mlx-lm or pick another model"
-            ) from None
-        raise DFlashError(f"could not load the target from {path}: {e}") from None
-    except FileNotFoundError as e:
-        raise DFlashError(f"could not load the target from {path}: {e}") from None
-
-
-def load(model: str, draft: str) -> tuple[DFlashModel, TokenizerWrapper]:
-    """Load a target (folder or Hub id, anything mlx_lm loads) and its DFlash drafter."""
-    target_model, tokenizer = load_target(model)
-    drafter = load_drafter(draft)
-    target = Target(target_model, drafter.args.target_layer_ids)
-    check_pair(target, drafter)
-    return DFlashModel(target, drafter), tokenizer
-
-
-@dataclass
-class SpeculativeStats:
-    """Acceptance record of one generation. tau counts the target's own token."""
-
-    block_size: int  # the largest block used (the adaptive policy's upper bound)
-    kernels: str
-    kernel_fallbacks: set[str] = field(default_factory=set)  # ops a Metal kernel refused (ran the twin)
-    acceptance_lengths: list[int] = field(default_factory=list)
-    block_sizes: list[int] = field(default_factory=list)  # verified rows per step; 1 = plain decoding
-    adaptive: bool = False
-
-    @property
-    def speculative(self) -> bool:
-        """Whether any step drafted; an adaptive run that fell back to plain decoding did not."""
-        if self.block_sizes:
-            return any(b > 1 for b in self.block_sizes)
-        return self.block_size > 1
-
-    @property
-    def plain_fraction(self) -> float:
-        """Share of steps decoded without a draft (the adaptive fallback)."""
-        b = self.block_sizes
-        return sum(1 for x in b if x == 1) / len(b) if b else 0.0
-
-    @property
-    def tau(self) -> float:
-        n = self.acceptance_lengths
-        return sum(n) / len(n) if n else 0.0
-
-    def histogram(self) -> dict[int, int]:
-        return dict(sorted(Counter(self.acceptance_lengths).items()))
-
+from .stats import SpeculativeStats, format_stats
 
 @dataclass
 class GenerationResponse:
@@ -274,27 +178,3 @@ def generate(
         print("=" * 10)
         print(format_stats(response))
     return text
-
-
-def format_stats(r: GenerationResponse) -> str:
-    s = r.stats
-    if s.adaptive:
-        used = " ".join(f"{k}:{v}" for k, v in sorted(Counter(s.block_sizes).items()))
-        mode = f"adaptive block size up to {s.block_size}, used (size:steps) {used}"
-        if not s.speculative:
-            mode += "; speculation off: plain decoding was faster"
-    elif s.speculative:
-        mode = f"speculative, block size {s.block_size}"
-    else:
-        mode = "speculation off (block size 1): plain target decoding"
-    hist = " ".join(f"{k}:{v}" for k, v in s.histogram().items())
-    return "\n".join(
-        [
-            f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec",
-            f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec",
-            f"Acceptance: tau {s.tau:.2f} tokens/step over {len(s.acceptance_lengths)} steps ({mode}; kernels: {s.kernels})",
-            *(f"Kernel fallback to the MLX twin: {reason}" for reason in sorted(s.kernel_fallbacks)),
-            f"Acceptance histogram (tokens/step:count): {hist}",
-            f"Peak memory: {r.peak_memory:.3f} GB",
-        ]
-    )

@@ -1,0 +1,70 @@
+"""Command-line flags shared by the subcommands, named like mlx_lm's and like the Python arguments."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from .errors import DFlashError
+
+
+def block_size_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a block size: give an integer or 'auto'") from None
+
+
+def draft_window_arg(text: str) -> tuple[int, int]:
+    try:
+        keep, recent = (int(x) for x in text.split(":"))
+        return keep, recent
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEEP:RECENT, e.g. 64:1024") from None
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def add_pair_arguments(p: argparse.ArgumentParser, required: bool = False) -> None:
+    """--model and --draft; optional ones default to the embedded SmolLM2 pair."""
+    default = "" if required else " (default: the embedded SmolLM2-135M-Instruct pair)"
+    p.add_argument("--model", required=required, default=None,
+                   help=f"Target model: local folder or Hub repo id, anything mlx_lm loads{default}")
+    p.add_argument("--draft", required=required, default=None,
+                   help=f"DFlash drafter: local folder or Hub repo id{default}")
+
+
+def resolve_pair(args: argparse.Namespace) -> None:
+    """Fill in the embedded default pair when neither --model nor --draft was given."""
+    if (args.model is None) != (args.draft is None):
+        raise DFlashError("pass both --model and --draft, or neither for the embedded default pair")
+    if args.model is None:
+        from .default import default_pair
+
+        args.model, args.draft = default_pair()
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, temp_help: str = "Sampling temperature (0: greedy)") -> None:
+    p.add_argument("--temp", type=finite_float, default=0.0, help=temp_help)
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="Sampling top-p")
+    p.add_argument("--top-k", type=int, default=0, help="Sampling top-k (0: off)")
+    p.add_argument("--min-p", type=finite_float, default=0.0, help="Sampling min-p (0: off)")
+
+
+def add_block_arguments(p: argparse.ArgumentParser) -> None:
+    """Block-size and drafter-window flags."""
+    p.add_argument("--block-size", type=block_size_arg, default=None,
+                   help="Tokens per draft block (default: the drafter's); 'auto' adapts it per step "
+                        "from the measured verify cost and the running acceptance")
+    p.add_argument("--draft-window", type=draft_window_arg, default=None, metavar="KEEP:RECENT",
+                   help="Bound the drafter's context to the first KEEP and last RECENT tokens (long prompts)")

@@ -1,0 +1,78 @@
+"""The model pair: a target (anything mlx_lm loads) and the DFlash drafter that speculates for it.
+
+A leaf of the package: loading, pairing and the pair object, used by generation,
+the adaptive policy, training, the server and the benchmark alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.nn as nn
+import mlx_lm
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .checkpoint import read_config, resolve
+from .drafter import Drafter, load_drafter
+from .errors import DFlashError
+from .target import Target
+
+MAX_BLOCK_SIZE = 32
+
+
+@dataclass(eq=False)  # identity, not value: the adaptive policy keys its calibration on the pair
+class DFlashModel:
+    """A target and the drafter that speculates for it."""
+
+    target: Target
+    drafter: Drafter
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.args.block_size
+
+
+def check_pair(target: Target, drafter: Drafter) -> None:
+    """Refuse a drafter trained for another target, with the fix in the message."""
+    a = drafter.args
+    if a.hidden_size != target.hidden_size:
+        raise DFlashError(
+            f"drafter hidden size {a.hidden_size} does not match the target's {target.hidden_size}: "
+            "use the drafter trained for this target"
+        )
+    if a.vocab_size != target.vocab_size:
+        raise DFlashError(
+            f"drafter vocab size {a.vocab_size} does not match the target's {target.vocab_size}: "
+            "use the drafter trained for this target"
+        )
+    if not 0 <= a.mask_token_id < target.vocab_size:
+        raise DFlashError(
+            f"drafter mask_token_id {a.mask_token_id} is outside the target vocabulary "
+            f"(size {target.vocab_size}): fix dflash_config.mask_token_id in the drafter config"
+        )
+
+
+def load_target(path_or_repo: str) -> tuple[nn.Module, TokenizerWrapper]:
+    """``mlx_lm.load`` with one-line errors (a local folder or a Hub id)."""
+    path = resolve(str(path_or_repo), "model")
+    config = read_config(path)
+    try:
+        return mlx_lm.load(str(path))
+    except ValueError as e:
+        if "not supported" in str(e):
+            raise DFlashError(
+                f"unsupported target architecture {config.get('model_type')!r}: "
+                "mlx_lm cannot load it; upgrade mlx-lm or pick another model"
+            ) from None
+        raise DFlashError(f"could not load the target from {path}: {e}") from None
+    except FileNotFoundError as e:
+        raise DFlashError(f"could not load the target from {path}: {e}") from None
+
+
+def load(model: str, draft: str) -> tuple[DFlashModel, TokenizerWrapper]:
+    """Load a target (folder or Hub id, anything mlx_lm loads) and its DFlash drafter."""
+    target_model, tokenizer = load_target(model)
+    drafter = load_drafter(draft)
+    target = Target(target_model, drafter.args.target_layer_ids)
+    check_pair(target, drafter)
+    return DFlashModel(target, drafter), tokenizer

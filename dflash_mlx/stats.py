@@ -1,0 +1,68 @@
+"""What a generation reports about its speculation: acceptance, block sizes, kernels."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpeculativeStats:
+    """Acceptance record of one generation. tau counts the target's own token."""
+
+    block_size: int  # the largest block used (the adaptive policy's upper bound)
+    kernels: str
+    kernel_fallbacks: set[str] = field(default_factory=set)  # ops a Metal kernel refused (ran the twin)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    block_sizes: list[int] = field(default_factory=list)  # verified rows per step; 1 = plain decoding
+    adaptive: bool = False
+
+    @property
+    def speculative(self) -> bool:
+        """Whether any step drafted; an adaptive run that fell back to plain decoding did not."""
+        if self.block_sizes:
+            return any(b > 1 for b in self.block_sizes)
+        return self.block_size > 1
+
+    @property
+    def plain_fraction(self) -> float:
+        """Share of steps decoded without a draft (the adaptive fallback)."""
+        b = self.block_sizes
+        return sum(1 for x in b if x == 1) / len(b) if b else 0.0
+
+    @property
+    def tau(self) -> float:
+        n = self.acceptance_lengths
+        return sum(n) / len(n) if n else 0.0
+
+    def histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.acceptance_lengths).items()))
+
+    def describe(self) -> str:
+        """The speculation mode in words, for the stats block."""
+        if self.adaptive:
+            used = " ".join(f"{k}:{v}" for k, v in sorted(Counter(self.block_sizes).items()))
+            mode = f"adaptive block size up to {self.block_size}, used (size:steps) {used}"
+            if not self.speculative:
+                mode += "; speculation off: plain decoding was faster"
+            return mode
+        if self.speculative:
+            return f"speculative, block size {self.block_size}"
+        return "speculation off (block size 1): plain target decoding"
+
+
+def format_stats(response) -> str:
+    """mlx_lm's verbose stats block plus acceptance, for a final ``GenerationResponse``."""
+    s = response.stats
+    hist = " ".join(f"{k}:{v}" for k, v in s.histogram().items())
+    return "\n".join(
+        [
+            f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec",
+            f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec",
+            f"Acceptance: tau {s.tau:.2f} tokens/step over {len(s.acceptance_lengths)} steps "
+            f"({s.describe()}; kernels: {s.kernels})",
+            *(f"Kernel fallback to the MLX twin: {reason}" for reason in sorted(s.kernel_fallbacks)),
+            f"Acceptance histogram (tokens/step:count): {hist}",
+            f"Peak memory: {response.peak_memory:.3f} GB",
+        ]
+    )

@@ -1,0 +1,84 @@
+"""The package's shape: no import cycles, modules short enough to read, light start-up."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dflash_mlx"
+MAX_LINES = 450
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> package modules it imports, at any depth (function-level imports count too)."""
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    graph = {m: set() for m in modules}
+    for m in modules:
+        tree = ast.parse((PACKAGE / f"{m}.py").read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 1:
+                    names = [node.module] if node.module else [a.name for a in node.names]
+                elif (node.module or "").startswith("dflash_mlx"):
+                    rest = node.module.split(".")[1:]
+                    names = rest[:1] if rest else [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name.split(".")[1] for a in node.names if a.name.startswith("dflash_mlx.")]
+            graph[m] |= {n.split(".")[0] for n in names if n and n.split(".")[0] in modules} - {m, "__init__"}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [n]
+            if n not in state and (cycle := visit(n)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "model" in graph and graph["adaptive"] >= {"model"}  # the graph is really read
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_modules_are_short():
+    long = {p.name: n for p in PACKAGE.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_import_and_help_do_not_load_mlx():
+    code = (
+        "import sys, dflash_mlx\n"
+        "assert 'mlx.core' not in sys.modules, 'import dflash_mlx loaded MLX'\n"
+        "from dflash_mlx.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "assert 'mlx.core' not in sys.modules, '--help loaded MLX'\n"
+        "from dflash_mlx import DFlashError, load\n"  # a public name pulls in the stack on first use
+        "assert 'mlx.core' in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
