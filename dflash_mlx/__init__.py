@@ -12,6 +12,9 @@ from .errors import DFlashError
 
 # public name -> the module that defines it
 _EXPORTS = {
+    "BatchEngine": "batch",
+    "BatchResponse": "batch_generation",
+    "batch_generate": "batch_generation",
     "DFlashModel": "model",
     "load": "model",
     "GenerationResponse": "generation",

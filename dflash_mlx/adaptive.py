@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from . import kernels
 from .model import DFlashModel
+from .ragged import RaggedKVCache
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -39,8 +40,8 @@ class CostCurve:
 
     def step_seconds(self, block_size: int) -> float:
         """Cost of one step; a block of 1 is plain decoding and runs no draft."""
-        cost = _interpolate(self.verify, block_size)
-        return cost if block_size == 1 else cost + _interpolate(self.draft, block_size)
+        cost = interpolate(self.verify, block_size)
+        return cost if block_size == 1 else cost + interpolate(self.draft, block_size)
 
     def relative(self) -> dict[int, float]:
         """Step cost of each measured block size relative to plain decoding."""
@@ -48,7 +49,8 @@ class CostCurve:
         return {b: self.step_seconds(b) / base for b in sorted(self.verify)}
 
 
-def _interpolate(points: dict[int, float], x: int) -> float:
+def interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear through ``points``, extended linearly past both ends."""
     xs = sorted(points)
     i = min(max(bisect_left(xs, x), 1), len(xs) - 1) if len(xs) > 1 else 0
     if len(xs) == 1 or x == xs[i]:
@@ -69,12 +71,14 @@ def calibrate(
     context: int = 128,
     repeats: int = 5,
     use_metal: bool | None = None,
+    rows: int = 1,
 ) -> CostCurve:
     """Time target verify and drafter forward for a few block sizes after ``context`` tokens.
 
     Uses throw-away caches; the model is left as it was. Sizes are timed in
     interleaved rounds and the fastest round kept: on a shared machine noise only
     ever adds time, and interleaving spreads a busy spell over all sizes.
+    ``rows > 1`` times a batch of that many rows with the batch engine's caches.
     """
     target, drafter = model.target, model.drafter
     ops = kernels.get_ops(use_metal)
@@ -82,20 +86,27 @@ def calibrate(
     sizes = sorted({b for b in CALIBRATION_SIZES if b < max_block_size} | {1, max_block_size})
     # Deterministic tokens: calibration must not consume the caller's random stream.
     tokens = mx.arange(context + max(sizes), dtype=mx.int32) % target.vocab_size
-    cache, draft_cache = target.make_cache(), drafter.make_cache()
-    _, hidden = target.prefill(tokens[:context], cache)
+    if rows == 1:
+        cache, draft_cache = target.make_cache(), drafter.make_cache()
+        _, hidden = target.prefill(tokens[:context], cache)
+    else:
+        tokens = mx.broadcast_to(tokens, (rows, tokens.size))
+        cache, draft_cache = target.make_batch_cache(rows), [RaggedKVCache(rows) for _ in drafter.layers]
+        _, hidden = target(tokens[:, :context], cache)
+        target.cache_policy.forget()
+    tokens = tokens.reshape(rows, -1)
     mx.eval(hidden)
     head = target.head(drafter.vocab_rows)
     # The drafter's context as in steady state: the prompt absorbed, a few new rows per step.
-    drafter(target.embed(tokens[:2])[None], hidden[:, :-2], draft_cache, head, ops)
+    drafter.draft_rows(target.embed(tokens[:, :2]), hidden[:, :-2], draft_cache, head, ops)
     def run_verify(B: int) -> None:
-        logits, h = target(tokens[context : context + B][None], cache)
+        logits, h = target(tokens[:, context : context + B], cache)
         mx.eval(logits, h)
         target.rollback(cache, B)
 
     def run_draft(B: int) -> None:
-        block = target.embed(tokens[context : context + B][None])
-        logits = drafter(block, hidden[:, -2:], draft_cache, head, ops)
+        block = target.embed(tokens[:, context : context + B])
+        logits = drafter.draft_rows(block, hidden[:, -2:], draft_cache, head, ops)
         mx.eval(mx.argmax(logits, axis=-1))
         for c in draft_cache:
             c.trim(2)

@@ -72,7 +72,7 @@ class DecodeCache:
         return n
 
 
-def _process(processors: list[LogitsProcessor], history: mx.array, block: mx.array, logits: mx.array) -> mx.array:
+def apply_processors(processors: list[LogitsProcessor], history: mx.array, block: mx.array, logits: mx.array) -> mx.array:
     """Apply mlx_lm logits processors to each verify row with that row's own history."""
     rows = []
     for j in range(logits.shape[0]):
@@ -121,7 +121,7 @@ def speculative_decode(
     state.tokens.extend(prompt[start:].tolist())
     history = prompt
     if processors:
-        logits = _process(processors, prompt[:-1], prompt[-1:], logits)
+        logits = apply_processors(processors, prompt[:-1], prompt[-1:], logits)
     anchor = strategy.first(logits).reshape(1)
     last = anchor.item()
     yield Step([last], 0)
@@ -143,7 +143,7 @@ def speculative_decode(
         logits, hidden = target(block[None], cache)
         logits = logits[0]
         if processors:
-            logits = _process(processors, history, block, logits)
+            logits = apply_processors(processors, history, block, logits)
         tokens, n = strategy.verify(logits, proposals, q)
         mx.eval(tokens, n)
         n = n.item()

@@ -23,6 +23,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from . import kernels
 from .checkpoint import load_weights, read_config, resolve
 from .errors import DFlashError
+from .ragged import RaggedKVCache
 
 REQUIRED_KEYS = (
     "hidden_size",
@@ -130,18 +131,23 @@ class Attention(nn.Module):
     ) -> mx.array:
         # The cache holds context K/V only; the block's K/V go in for this forward
         # and are trimmed off by the caller, so positions stay absolute.
-        _, L, _ = x.shape
+        B, L, _ = x.shape
         start = cache.offset + context.shape[1]
-        q = self.q_norm(self.q_proj(x).reshape(1, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         kv_in = mx.concatenate([context, x], axis=1)
         S = kv_in.shape[1]
-        k = self.k_norm(self.k_proj(kv_in).reshape(1, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(kv_in).reshape(1, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(kv_in).reshape(B, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(kv_in).reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
         k = self.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
-        out = ops.block_attention(q, k, v, scale=self.scale, sliding_window=self.sliding_window)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
+        if isinstance(cache, RaggedKVCache):
+            # Batch engine: each row's context has its own length, so the mask is per row.
+            mask = cache.block_mask(L, self.sliding_window)
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        else:
+            out = ops.block_attention(q, k, v, scale=self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class ContextWindowCache:
@@ -268,13 +274,28 @@ class Drafter(nn.Module):
         lm_head: Callable[[mx.array], mx.array],
         ops: kernels.KernelOps,
     ) -> mx.array:
-        """Logits (L-1, V) for the block positions after the anchor.
+        """Logits (L-1, V) for the block positions after the anchor (batch 1).
 
         block_embeddings: (1, L, H) target embeddings of ``[anchor, MASK...]``.
         context_hidden: (1, n, k*H) target hidden states of the context rows not
         yet in ``cache`` (the concatenated outputs of ``target_layer_ids``).
         lm_head: the target's output head restricted to ``vocab_rows``
         (``Target.head``). The new context K/V stay in ``cache``; the block's do not.
+        """
+        return self.draft_rows(block_embeddings, context_hidden, cache, lm_head, ops)[0]
+
+    def draft_rows(
+        self,
+        block_embeddings: mx.array,
+        context_hidden: mx.array,
+        cache: list,
+        lm_head: Callable[[mx.array], mx.array],
+        ops: kernels.KernelOps,
+    ) -> mx.array:
+        """``__call__`` for R rows at once: (R, L, H) blocks, (R, n, k*H) context -> (R, L-1, V).
+
+        With ``RaggedKVCache`` caches the rows may hold different context lengths;
+        row r's new context is its last ``n - left_padding[r]`` rows (``prepare``).
         """
         a = self.args
         context = self.hidden_norm(self.fc(context_hidden))
@@ -284,7 +305,7 @@ class Drafter(nn.Module):
         L = block_embeddings.shape[1]
         for c in cache:
             c.trim(L)
-        logits = lm_head(self.norm(h)[0, 1:])
+        logits = lm_head(self.norm(h)[:, 1:])
         if a.output_multiplier != 1:
             logits = logits * a.output_multiplier
         if a.final_logit_softcapping:

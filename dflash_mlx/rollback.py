@@ -45,6 +45,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from .errors import DFlashError
+from .ragged import RaggedKVCache
 
 SUPPORTED = (
     "attention (KVCache), sliding-window (RotatingKVCache, keep=0) and Gated DeltaNet "
@@ -199,6 +200,13 @@ class CachePolicy:
                     f"{type(c).__name__}, which DFlash cannot roll back after a rejected block; "
                     f"supported: {SUPPORTED}"
                 )
+        # Why the batch engine must serve this target one request at a time, if it must.
+        self.batch_refusal = next(
+            (f"mlx_lm's {type(m).__name__} of {model_type!r} ignores per-row lengths, which a "
+             "batched rollback needs" for m in self.mixers.values()
+             if "cache.lengths" not in inspect.getsource(type(m).__call__)),
+            None,
+        )
         self._records: list[tuple[int, ArraysCache, tuple, dict]] = []
         self._rows = 0
         self._cache: list | None = None
@@ -212,6 +220,16 @@ class CachePolicy:
         for i, window in self.windows.items():
             cache[i] = WindowKVCache(window)
         return cache
+
+    def make_batch_cache(self, rows: int = 1) -> list:
+        """Caches of ``rows`` rows for the batch engine, joined with others along the batch axis.
+
+        Attention layers get ``RaggedKVCache`` (each row trims its own rejected
+        tail); Gated DeltaNet layers keep mlx_lm's ``ArraysCache``, whose batched
+        form ``rollback_rows`` replays per row.
+        """
+        cache = self._model_cache()
+        return [c if i in self.mixers else RaggedKVCache(rows, self.windows.get(i)) for i, c in enumerate(cache)]
 
     @contextmanager
     def undoable(self, cache: list, rows: int) -> Iterator[None]:
@@ -247,12 +265,39 @@ class CachePolicy:
         for i, c in enumerate(cache):
             if i not in self.mixers:
                 c.trim(num_tokens)
+        self._replay([keep])
+        self._rows = keep
+
+    def rollback_rows(self, cache: list, drops: list[int]) -> None:
+        """Batched rollback: drop the last ``drops[r]`` rows of row r from the last undoable forward."""
+        if self.mixers and cache is not self._cache:
+            raise DFlashError(
+                f"cannot roll back a batch on a {self.model_type!r} target: its recurrent layers "
+                "can only undo the last forward on this cache"
+            )
+        for i, c in enumerate(cache):
+            if i not in self.mixers:
+                c.trim_rows(drops)
+        self._replay([self._rows - d for d in drops])
+        self.forget()
+
+    def _replay(self, keep: list[int]) -> None:
+        """Restore each recurrent layer's state from before the last forward, then run
+        its first ``keep[r]`` rows again (row r; one ``keep`` for all rows alike)."""
+        rows = max(keep)
         for i, c, (conv, state), record in self._records:
             c[0], c[1] = conv, state
-            if keep:
-                # Only the cache updates are evaluated later: the replayed output,
-                # its gate projection and out_proj stay unused graph nodes.
-                x = next(iter(record.values()))[0][:, :keep]
-                with _swapped(self.mixers[i], list(record), record, rows=keep):
-                    self.mixers[i](x, None, c)
-        self._rows = keep
+            if not rows:
+                continue
+            mask = None
+            if min(keep) < rows:
+                # mlx_lm's batched form: masked steps leave the recurrent state as it
+                # was, and the conv state is read at each row's own length.
+                c.lengths = mx.array(keep)
+                mask = mx.arange(rows) < c.lengths[:, None]
+            # Only the cache updates are evaluated later: the replayed output,
+            # its gate projection and out_proj stay unused graph nodes.
+            x = next(iter(record.values()))[0][:, :rows]
+            with _swapped(self.mixers[i], list(record), record, rows=rows):
+                self.mixers[i](x, mask, c)
+            c.lengths = None

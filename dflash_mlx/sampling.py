@@ -7,6 +7,10 @@ Three strategies, all lossless:
 - ``Match``: any opaque mlx_lm ``sampler``; the target row is sampled with it and
   an argmax proposal is accepted only if it equals that sample (exact for any
   sampler, but accepts less than ``Rejection``).
+
+Every method takes an optional PRNG ``key`` (the batch engine gives each request
+its own); without one, MLX's global random state is used. An opaque sampler
+always draws from the global state.
 """
 
 from __future__ import annotations
@@ -55,13 +59,13 @@ class Greedy:
     def __init__(self, ops: KernelOps):
         self.ops = ops
 
-    def first(self, logits: mx.array) -> mx.array:
+    def first(self, logits: mx.array, key: mx.array | None = None) -> mx.array:
         return mx.argmax(logits, axis=-1).astype(mx.int32)
 
-    def propose(self, draft_logits: mx.array) -> tuple[mx.array, None]:
+    def propose(self, draft_logits: mx.array, key: mx.array | None = None) -> tuple[mx.array, None]:
         return mx.argmax(draft_logits, axis=-1).astype(mx.int32), None
 
-    def verify(self, logits: mx.array, proposals: mx.array, _q) -> tuple[mx.array, mx.array]:
+    def verify(self, logits: mx.array, proposals: mx.array, _q, key: mx.array | None = None) -> tuple[mx.array, mx.array]:
         return self.ops.greedy_accept(logits, proposals)
 
 
@@ -69,16 +73,16 @@ class Rejection:
     def __init__(self, params: SamplingParams, ops: KernelOps):
         self.params, self.ops = params, ops
 
-    def first(self, logits: mx.array) -> mx.array:
-        return mx.random.categorical(mx.log(probabilities(logits, self.params))).astype(mx.int32)
+    def first(self, logits: mx.array, key: mx.array | None = None) -> mx.array:
+        return mx.random.categorical(mx.log(probabilities(logits, self.params)), key=key).astype(mx.int32)
 
-    def propose(self, draft_logits: mx.array) -> tuple[mx.array, mx.array]:
+    def propose(self, draft_logits: mx.array, key: mx.array | None = None) -> tuple[mx.array, mx.array]:
         q = probabilities(draft_logits, self.params)
-        return mx.random.categorical(mx.log(q)).astype(mx.int32), q
+        return mx.random.categorical(mx.log(q), key=key).astype(mx.int32), q
 
-    def verify(self, logits: mx.array, proposals: mx.array, q: mx.array) -> tuple[mx.array, mx.array]:
+    def verify(self, logits: mx.array, proposals: mx.array, q: mx.array, key: mx.array | None = None) -> tuple[mx.array, mx.array]:
         p = probabilities(logits, self.params)
-        uniforms = mx.random.uniform(shape=(logits.shape[0],))
+        uniforms = mx.random.uniform(shape=(logits.shape[0],), key=key)
         return self.ops.rejection_accept(p, q, proposals, uniforms)
 
 
@@ -90,13 +94,13 @@ class Match:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return self.sampler(logprobs).astype(mx.int32)
 
-    def first(self, logits: mx.array) -> mx.array:
+    def first(self, logits: mx.array, key: mx.array | None = None) -> mx.array:
         return self._sample(logits)
 
-    def propose(self, draft_logits: mx.array) -> tuple[mx.array, None]:
+    def propose(self, draft_logits: mx.array, key: mx.array | None = None) -> tuple[mx.array, None]:
         return mx.argmax(draft_logits, axis=-1).astype(mx.int32), None
 
-    def verify(self, logits: mx.array, proposals: mx.array, _q) -> tuple[mx.array, mx.array]:
+    def verify(self, logits: mx.array, proposals: mx.array, _q, key: mx.array | None = None) -> tuple[mx.array, mx.array]:
         return self.ops.match_accept(self._sample(logits), proposals)
 
 

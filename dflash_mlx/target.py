@@ -115,6 +115,14 @@ class Target:
         """Drop the last ``num_tokens`` positions (the rejected proposals) of the last call."""
         self.cache_policy.rollback(cache, num_tokens)
 
+    def make_batch_cache(self, rows: int = 1) -> list:
+        """Caches the batch engine joins to its batch (``CachePolicy.make_batch_cache``)."""
+        return self.cache_policy.make_batch_cache(rows)
+
+    def rollback_rows(self, cache: list, drops: list[int]) -> None:
+        """Batched ``rollback``: drop the last ``drops[r]`` positions of row r."""
+        self.cache_policy.rollback_rows(cache, drops)
+
     @contextmanager
     def _tapped(self) -> Iterator[dict[int, list]]:
         sinks = {i: [] for i in self.layer_ids}

@@ -1,0 +1,390 @@
+"""The batch engine: concurrent requests drafted and verified together.
+
+Each step, one drafter forward drafts every active row's block and one target
+forward verifies all the blocks; each row then commits its own accepted prefix
+plus its own next token (no clamping to the batch's shortest), and the caches
+drop each row's own rejected tail (``RaggedKVCache``, ``Target.rollback_rows``).
+
+Requests join and leave between steps. A joining prompt is prefilled alone, at
+most ``prefill_step_size`` tokens per step (the drafter absorbs each chunk's
+hidden states as it goes), and its one-row caches are appended to the batch
+when it is done, so running rows wait for at most one chunk per step.
+
+A server worker drives it as a scheduler loop::
+
+    engine = BatchEngine(model, completion_batch_size=8)
+    while True:
+        for request in arrived():            # between steps, any number
+            uids[request] = engine.add(request.tokens, max_tokens=..., temp=..., seed=...)
+        for request in disconnected():
+            engine.cancel(uids[request])     # frees the row at once
+        for event in engine.step():          # one TokenEvent per committed token
+            send(event.uid, event.token)     # event.finish_reason ends the request
+        if engine.idle:
+            wait_for_requests()
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import StopSequences
+
+from . import kernels
+from .adaptive import AdaptiveBlockSize
+from .batch_adaptive import BatchBlockSize, make_batch_policy
+from .decode import LogitsProcessor, apply_processors
+from .errors import DFlashError
+from .model import MAX_BLOCK_SIZE, DFlashModel
+from .ragged import RaggedKVCache
+from .sampling import Sampler, SamplingParams, Strategy, make_strategy
+from .stats import SpeculativeStats
+
+
+@dataclass
+class TokenEvent:
+    """One committed token of one request, in order.
+
+    The request's last event has a ``finish_reason``: "stop" (``token`` is the
+    stop token, not part of the answer, as in mlx_lm) or "length"; it also
+    carries the request's acceptance record.
+    """
+
+    uid: int
+    token: int
+    from_draft: bool  # a drafter proposal the target accepted
+    finish_reason: str | None = None
+    logprob: float | None = None  # with add(logprobs=True): log p of the token (after processors)
+    stats: SpeculativeStats | None = None
+
+
+@dataclass
+class EngineStats:
+    """What the engine did, for a server's /metrics and the benchmark."""
+
+    batched: bool  # False: requests are served one at a time, see ``reason``
+    reason: str | None = None
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0
+    generation_tokens: int = 0
+    decode_time: float = 0.0
+    steps: int = 0
+    rows: Counter = field(default_factory=Counter)  # rows per step -> steps
+    block_sizes: Counter = field(default_factory=Counter)  # block size -> steps
+    ragged_steps: int = 0  # steps whose rows accepted different numbers of proposals
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_time if self.prompt_time else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / self.decode_time if self.decode_time else 0.0
+
+    @property
+    def mean_rows(self) -> float:
+        return sum(r * n for r, n in self.rows.items()) / self.steps if self.steps else 0.0
+
+
+@dataclass(eq=False)
+class _Request:
+    uid: int
+    prompt: list[int]
+    max_tokens: int
+    strategy: Strategy
+    processors: list[LogitsProcessor]
+    matcher: StopSequences.Matcher
+    key: mx.array | None
+    logprobs: bool
+    stats: SpeculativeStats
+    tracker: AdaptiveBlockSize | None
+    cache: list  # one-row caches until the request joins the batch
+    draft_cache: list
+    prefilled: int = 0
+    produced: int = 0
+    anchor: int = 0
+    history: mx.array | None = None  # prompt + committed tokens, for logits processors
+    context: list[mx.array] = field(default_factory=list)  # hidden rows the drafter has not seen
+
+    def subkey(self) -> mx.array | None:
+        if self.key is None:
+            return None
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+
+class BatchEngine:
+    """Continuous batching of DFlash requests over one model pair.
+
+    block_size: fixed, ``"auto"`` (per step, from the measured cost of R rows x
+    B tokens and each row's acceptance, ``batch_adaptive``) or a
+    ``BatchBlockSize``; default the drafter's. completion_batch_size: most rows
+    decoded together; more requests wait. prefill_step_size: most prompt
+    tokens prefilled per step.
+    """
+
+    def __init__(
+        self,
+        model: DFlashModel,
+        *,
+        block_size: int | str | BatchBlockSize | None = None,
+        completion_batch_size: int = 8,
+        prefill_step_size: int = 512,
+        use_metal: bool | None = None,
+    ):
+        self.target, self.drafter = model.target, model.drafter
+        self.ops = kernels.get_ops(use_metal)
+        self.policy = block_size if isinstance(block_size, BatchBlockSize) else None
+        if block_size == "auto":
+            self.policy = make_batch_policy(model, use_metal=use_metal)
+        self.block_size = self.policy.max_block_size if self.policy else model.block_size if block_size is None else block_size
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise DFlashError(f"block size {block_size!r} is invalid: use 1..{MAX_BLOCK_SIZE} or 'auto'")
+        if completion_batch_size < 1 or prefill_step_size < 1:
+            raise DFlashError(
+                f"completion_batch_size {completion_batch_size} and prefill_step_size "
+                f"{prefill_step_size} must be at least 1"
+            )
+        self.prefill_step_size = prefill_step_size
+        reason = self.target.cache_policy.batch_refusal
+        if completion_batch_size == 1:
+            reason = "completion_batch_size is 1"
+        self.max_rows = 1 if reason else completion_batch_size
+        self.stats = EngineStats(batched=reason is None, reason=reason)
+        self.fallbacks = set(self.ops.fallbacks)
+        if self.ops.path != "mlx":
+            self.fallbacks.add("block_attention: batched rows use mx.fast.scaled_dot_product_attention")
+        self.head = self.target.head(self.drafter.vocab_rows)
+        self.mask_id = self.drafter.args.mask_token_id
+        self.rows: list[_Request] = []  # in batch order
+        self.pending: deque[_Request] = deque()
+        self.cache: list | None = None
+        self.draft_cache: list | None = None
+        self._uids = itertools.count()
+
+    @property
+    def idle(self) -> bool:
+        return not self.rows and not self.pending
+
+    @property
+    def uids(self) -> list[int]:
+        """Request ids of the batch rows, in row order."""
+        return [r.uid for r in self.rows]
+
+    def add(
+        self,
+        prompt: Sequence[int] | mx.array,
+        *,
+        max_tokens: int = 256,
+        temp: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        sampler: Sampler | None = None,
+        seed: int | None = None,
+        stop_tokens: Iterable[int | Sequence[int]] = (),
+        logits_processors: list[LogitsProcessor] | None = None,
+        logprobs: bool = False,
+    ) -> int:
+        """Queue a request; it joins the batch once its prompt is prefilled. Returns its uid.
+
+        Settings are the request's own, as in ``stream_generate``; ``seed`` gives
+        it a random stream of its own (at a fixed block size its output does not
+        depend on what else is batched with it); ``stop_tokens`` holds token ids
+        or token sequences (the eos ids are not added here).
+        """
+        prompt = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+        if not prompt:
+            raise DFlashError("the prompt is empty: give at least one token of prompt")
+        if max_tokens < 1:
+            raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
+        if seed is not None and sampler is not None:
+            raise DFlashError("seed cannot reach a custom sampler (it draws from MLX's global state): "
+                              "pass temp/top_p/top_k/min_p instead, or call mx.random.seed")
+        stops = [[t] if isinstance(t, int) else list(t) for t in stop_tokens]
+        request = _Request(
+            uid=next(self._uids),
+            prompt=prompt,
+            max_tokens=max_tokens,
+            strategy=make_strategy(SamplingParams(temp, top_p, top_k, min_p), sampler, self.ops),
+            processors=list(logits_processors or []),
+            matcher=StopSequences(stops).matcher(),
+            key=None if seed is None else mx.random.key(seed),
+            logprobs=logprobs,
+            stats=SpeculativeStats(self.block_size, self.ops.path, self.fallbacks, adaptive=self.policy is not None),
+            tracker=self.policy.track() if self.policy else None,
+            cache=self.target.make_batch_cache(),
+            draft_cache=[RaggedKVCache() for _ in self.drafter.layers],
+        )
+        self.pending.append(request)
+        return request.uid
+
+    def cancel(self, uid: int) -> bool:
+        """Drop a request, queued or running; its row is freed at once. False if unknown."""
+        for request in self.pending:
+            if request.uid == uid:
+                self.pending.remove(request)
+                return True
+        if uid not in self.uids:
+            return False
+        self._keep([i for i, r in enumerate(self.rows) if r.uid != uid])
+        return True
+
+    def step(self) -> list[TokenEvent]:
+        """Prefill queued prompts (up to ``prefill_step_size`` tokens), then one
+        draft-verify step over every running row. Returns the committed tokens."""
+        events: list[TokenEvent] = []
+        self._prefill(events)
+        if self.rows:
+            tic = time.perf_counter()
+            self._decode(events)
+            self.stats.decode_time += time.perf_counter() - tic
+        self.stats.generation_tokens += len(events)
+        return events
+
+    # -- joining --------------------------------------------------------------
+
+    def _prefill(self, events: list[TokenEvent]) -> None:
+        budget = self.prefill_step_size
+        while self.pending and budget > 0 and len(self.rows) < self.max_rows:
+            tic = time.perf_counter()
+            request = self.pending[0]
+            chunk = request.prompt[request.prefilled : request.prefilled + budget]
+            request.prefilled += len(chunk)
+            budget -= len(chunk)
+            logits, hidden = self.target.prefill(mx.array(chunk), request.cache, self.prefill_step_size)
+            # The drafter takes the chunk as context now, under a throw-away one-token block.
+            block = self.target.embed(mx.array([[self.mask_id]]))
+            self.drafter.draft_rows(block, hidden, request.draft_cache, self.head, self.ops)
+            done = request.prefilled == len(request.prompt)
+            token, logprob = self._first_token(request, logits) if done else (None, None)
+            mx.eval(token, logprob, [c.state for c in request.cache], [c.state for c in request.draft_cache])
+            self.stats.prompt_tokens += len(chunk)
+            if done:
+                self.pending.popleft()
+                self._start(request, token, logprob, events)
+            self.stats.prompt_time += time.perf_counter() - tic
+
+    def _first_token(self, request: _Request, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        if request.processors:
+            prompt = mx.array(request.prompt)
+            logits = apply_processors(request.processors, prompt[:-1], prompt[-1:], logits)
+            request.history = prompt
+        token = request.strategy.first(logits, request.subkey())
+        return token, _logprobs(logits, token) if request.logprobs else None
+
+    def _start(self, request: _Request, token: mx.array, logprob: mx.array | None, events: list[TokenEvent]) -> None:
+        if not self._emit(request, token.tolist(), 0, logprob, events):
+            return
+        if self.cache is None:
+            self.cache, self.draft_cache = request.cache, request.draft_cache
+        else:
+            for batch, row in zip(self.cache + self.draft_cache, request.cache + request.draft_cache):
+                batch.extend(row)
+        request.cache = request.draft_cache = None
+        self.rows.append(request)
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (indices into ``self.rows``)."""
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.draft_cache = None
+            return
+        for c in self.cache + self.draft_cache:
+            c.filter(keep)
+
+    # -- one draft-verify step ---------------------------------------------
+
+    def _decode(self, events: list[TokenEvent]) -> None:
+        rows = self.rows
+        R = len(rows)
+        # Not shortened near a row's max_tokens (the extra tokens are dropped): a
+        # seeded row's random draws must not depend on its neighbours' progress.
+        B = self.policy.next_block_size([r.tracker for r in rows]) if self.policy else self.block_size
+        anchors = mx.array([[r.anchor] for r in rows], mx.int32)
+        if B > 1:
+            proposals, qs = self._draft(anchors, B)
+        else:
+            proposals, qs = mx.zeros((R, 0), mx.int32), [mx.zeros((0, self.target.vocab_size))] * R
+        block = mx.concatenate([anchors, proposals], axis=1)
+        logits, hidden = self.target(block, self.cache)
+        results = []
+        for i, r in enumerate(rows):
+            row_logits = logits[i]
+            if r.processors:
+                row_logits = apply_processors(r.processors, r.history, block[i], row_logits)
+            tokens, n = r.strategy.verify(row_logits, proposals[i], qs[i], r.subkey())
+            results.append((tokens, n, _logprobs(row_logits, tokens) if r.logprobs else None))
+        tokens, accepted, logprobs = zip(*results)
+        mx.eval(tokens, accepted, [lp for lp in logprobs if lp is not None])
+        accepted = mx.stack(accepted).tolist()
+        self.target.rollback_rows(self.cache, [B - 1 - n for n in accepted])
+        self.stats.steps += 1
+        self.stats.rows[R] += 1
+        self.stats.block_sizes[B] += 1
+        self.stats.ragged_steps += len(set(accepted)) > 1
+        keep = []
+        for i, (r, n) in enumerate(zip(rows, accepted)):
+            committed = tokens[i][: n + 1]
+            # Without a draft this step, the drafter has not consumed the pending context yet.
+            r.context = [hidden[i, : n + 1]] if B > 1 else r.context + [hidden[i, : n + 1]]
+            if r.processors:
+                r.history = mx.concatenate([r.history, block[i, : n + 1]])
+            r.stats.acceptance_lengths.append(n + 1)
+            r.stats.block_sizes.append(B)
+            if r.tracker:
+                r.tracker.observe(B, n)
+            lp = None if logprobs[i] is None else logprobs[i][: n + 1]
+            if self._emit(r, committed.tolist(), n, lp, events):
+                keep.append(i)
+        self._keep(keep)
+
+    def _draft(self, anchors: mx.array, B: int) -> tuple[mx.array, list[mx.array | None]]:
+        """Every row's B-1 proposals from one drafter forward, and the draft distributions."""
+        rows = self.rows
+        masks = mx.full((len(rows), B - 1), self.mask_id, mx.int32)
+        embeddings = self.target.embed(mx.concatenate([anchors, masks], axis=1))
+        counts = [sum(c.shape[0] for c in r.context) for r in rows]
+        width = max(counts)
+        features = len(self.target.layer_ids) * self.target.hidden_size
+        # Left-padded, so each row's block follows its own context (RaggedKVCache.prepare).
+        context = mx.stack([
+            mx.concatenate([mx.zeros((width - n, features), embeddings.dtype), *r.context])
+            for r, n in zip(rows, counts)
+        ])
+        for c in self.draft_cache:
+            c.prepare([width - n for n in counts])
+        draft_logits = self.drafter.draft_rows(embeddings, context, self.draft_cache, self.head, self.ops)
+        drafts = [r.strategy.propose(draft_logits[i], r.subkey()) for i, r in enumerate(rows)]
+        for r in rows:
+            r.context = []
+        return mx.stack([p for p, _ in drafts]), [q for _, q in drafts]
+
+    def _emit(self, request: _Request, tokens: list[int], accepted: int, logprobs, events: list[TokenEvent]) -> bool:
+        """Turn committed tokens into events; False once the request is finished."""
+        lps = [None] * len(tokens) if logprobs is None else logprobs.tolist()
+        for j, (token, lp) in enumerate(zip(tokens, lps)):
+            request.produced += 1
+            reason = "stop" if request.matcher.advance(token) else None
+            if reason is None and request.produced == request.max_tokens:
+                reason = "length"
+            events.append(TokenEvent(request.uid, token, j < accepted, reason, lp,
+                                     request.stats if reason else None))
+            if reason:
+                return False
+        request.anchor = tokens[-1]
+        return True
+
+
+def _logprobs(logits: mx.array, tokens: mx.array) -> mx.array:
+    """log p of each row's token under that row's (processed) distribution."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.take_along_axis(lp, tokens.reshape(-1, 1), axis=-1)[:, 0]

@@ -1,0 +1,85 @@
+"""Block size per batch step: the adaptive policy (``adaptive.py``) over R rows.
+
+A batch step of R rows with block B costs ``draft(R, B) + verify(R, B)``
+seconds, measured at a few row counts (``calibrate`` with ``rows``) and
+interpolated linearly in R, and commits the sum over the rows of each row's
+expected tokens at B, each row's acceptance tracked on its own. Every step
+takes the B with the most expected tokens per second for the rows running
+then: the more rows, the more a long block costs against what it gains, and
+on this CPU a batch of 8 verifying 16 tokens each is 128 target rows.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from .adaptive import AdaptiveBlockSize, CostCurve, calibrate, interpolate
+from .model import DFlashModel
+
+CALIBRATION_ROWS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class RowCostCurve:
+    """Seconds per batch step for a few row counts (``CostCurve`` at each)."""
+
+    curves: dict[int, CostCurve]
+
+    def step_seconds(self, rows: int, block_size: int) -> float:
+        return interpolate({r: c.step_seconds(block_size) for r, c in self.curves.items()}, rows)
+
+
+def calibrate_rows(
+    model: DFlashModel,
+    rows: tuple[int, ...] = CALIBRATION_ROWS,
+    max_block_size: int | None = None,
+    repeats: int = 2,
+    use_metal: bool | None = None,
+) -> RowCostCurve:
+    """``adaptive.calibrate`` at each row count in ``rows``."""
+    return RowCostCurve(
+        {r: calibrate(model, max_block_size, repeats=repeats, use_metal=use_metal, rows=r) for r in rows}
+    )
+
+
+_curves: "weakref.WeakKeyDictionary[DFlashModel, RowCostCurve]" = weakref.WeakKeyDictionary()
+
+
+def row_cost_curve(model: DFlashModel, use_metal: bool | None = None) -> RowCostCurve:
+    """The pair's batch cost curve, calibrated on first use and remembered after."""
+    if model not in _curves:
+        _curves[model] = calibrate_rows(model, use_metal=use_metal)
+    return _curves[model]
+
+
+class BatchBlockSize(AdaptiveBlockSize):
+    """``AdaptiveBlockSize``'s choice (optimistic rates, plain steps with probes)
+    made for a whole batch: ``next_block_size(trackers)`` is given one acceptance
+    tracker per running row (from ``track``), which the engine feeds each row's
+    own outcome. The policy's own acceptance estimates are not used.
+    """
+
+    def __init__(self, curve: RowCostCurve, max_block_size: int, probe_every: int = 16, **row_kwargs):
+        super().__init__(curve.curves[min(curve.curves)], max_block_size, probe_every=probe_every)
+        self.row_curve, self.row_kwargs = curve, row_kwargs
+        self.trackers: list[AdaptiveBlockSize] = []
+
+    def track(self) -> AdaptiveBlockSize:
+        """A new row's acceptance tracker (prior, decay and optimism from ``row_kwargs``)."""
+        return AdaptiveBlockSize(self.curve, self.max_block_size, **self.row_kwargs)
+
+    def tokens_per_second(self, block_size: int, optimistic: bool = False) -> float:
+        expected = sum(t.expected_tokens(block_size, optimistic) for t in self.trackers)
+        return expected / self.row_curve.step_seconds(len(self.trackers), block_size)
+
+    def next_block_size(self, trackers: list[AdaptiveBlockSize]) -> int:  # type: ignore[override]
+        self.trackers = trackers
+        return super().next_block_size()
+
+
+def make_batch_policy(
+    model: DFlashModel, max_block_size: int | None = None, use_metal: bool | None = None, **kwargs
+) -> BatchBlockSize:
+    """A batch block-size policy for one engine; calibrates the pair on first use."""
+    return BatchBlockSize(row_cost_curve(model, use_metal), max_block_size or model.block_size, **kwargs)

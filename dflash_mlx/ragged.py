@@ -1,0 +1,165 @@
+"""A batched KV cache whose rows hold different numbers of tokens.
+
+mlx_lm's ``BatchKVCache`` left-pads rows to a common end and trims every row by
+the same amount. Batched speculative decoding commits a different number of
+tokens per row each step, so here every row starts at index 0 (the index of a
+key is its absolute position) and ends at its own length:
+
+- a forward writes each row's new K/V at that row's end, in one scatter;
+- dropping a row's rejected proposals only lowers its length (no copy);
+- the masks hide, per row, whatever lies past its end.
+
+The same cache serves the target (``make_mask``, as mlx_lm models call it) and
+the drafter, whose context rows arrive left-padded to a common count
+(``prepare``) so that each row's block lands right after its own context
+(``block_mask``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class RaggedKVCache:
+    step = 256
+
+    def __init__(self, rows: int = 1, window: int | None = None):
+        # Sliding-window layers keep every row and mask by position: exact, and
+        # trimming a rejected row never loses context the next query needs.
+        self.window = window
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.lengths = [0] * rows
+        self._padding: list[int] | None = None
+        self._offset: mx.array | None = None
+
+    @property
+    def offset(self) -> mx.array:
+        """Per row, the absolute position of the next forward's first key (RoPE offset)."""
+        if self._offset is None:
+            pad = self._padding or [0] * len(self.lengths)
+            self._offset = mx.array([n - p for n, p in zip(self.lengths, pad)])
+        return self._offset
+
+    def _set_lengths(self, lengths: list[int]) -> None:
+        self.lengths, self._offset = lengths, None
+
+    def prepare(self, left_padding: list[int]) -> None:
+        """The next forward's first ``left_padding[r]`` rows of row r are padding, not tokens."""
+        self._padding, self._offset = list(left_padding), None
+
+    def _reserve(self, keys: mx.array, values: mx.array, size: int) -> None:
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if size <= capacity:
+            return
+        R, H = keys.shape[:2]
+        grown = -(-size // self.step) * self.step
+        extra = [mx.zeros((R, H, grown - capacity, x.shape[3]), x.dtype) for x in (keys, values)]
+        if self.keys is None:
+            self.keys, self.values = extra
+        else:
+            self.keys = mx.concatenate([self.keys, extra[0]], axis=2)
+            self.values = mx.concatenate([self.values, extra[1]], axis=2)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        R, _, N, _ = keys.shape
+        pad = self._padding or [0] * R
+        starts = [n - p for n, p in zip(self.lengths, pad)]
+        ends = [s + N for s in starts]
+        end = max(ends)
+        if not any(pad) and len(set(starts)) == 1:
+            self._reserve(keys, values, end)
+            self.keys[..., starts[0] : end, :] = keys
+            self.values[..., starts[0] : end, :] = values
+        else:
+            # Padding rows go to a spare slot past every row's end, which no mask shows.
+            self._reserve(keys, values, end + 1)
+            spare = self.keys.shape[2] - 1
+            index = mx.array(
+                [[s + j if j >= p else spare for j in range(N)] for s, p in zip(starts, pad)]
+            ).reshape(R, 1, N, 1)
+            self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, index, values, axis=2)
+        self._padding = None
+        self._set_lengths(ends)
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        """Causal mask of the target's next forward of ``N`` tokens per row, (R, 1, N, S)."""
+        window = window_size or self.window
+        if len(self.lengths) == 1 and window is None and not return_array:
+            return None if N == 1 else "causal"  # one row: plain causal attention
+        query = (mx.array(self.lengths)[:, None] + mx.arange(N))[..., None]
+        key = mx.arange(max(self.lengths) + N)
+        mask = key <= query
+        if window is not None:
+            mask &= key > query - window
+        return mask[:, None]
+
+    def block_mask(self, L: int, sliding_window: int | None) -> mx.array:
+        """The drafter block's visibility per row, (R, 1, L, S), after its forward.
+
+        Each row's block is its last ``L`` keys, at positions start..start+L-1.
+        The rule per row is ``kernels.block_attention_twin``'s: full-attention
+        layers see all context and the whole block; a sliding-window layer lets
+        position i see key j iff ``j <= i and i - j < sliding_window``.
+        """
+        lengths = mx.array(self.lengths)[:, None, None]
+        key = mx.arange(max(self.lengths))
+        mask = mx.broadcast_to(key < lengths, (len(self.lengths), L, key.size))
+        if sliding_window is not None:
+            query = lengths - L + mx.arange(L)[:, None]
+            mask = mask & (key <= query) & (query - key < sliding_window)
+        return mask[:, None]
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens of every row."""
+        self._set_lengths([max(k - n, 0) for k in self.lengths])
+        return n
+
+    def trim_rows(self, drops: list[int]) -> None:
+        """Drop the last ``drops[r]`` tokens of row r."""
+        self._set_lengths([k - d for k, d in zip(self.lengths, drops)])
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep``, in that order."""
+        lengths = [self.lengths[i] for i in keep]
+        if self.keys is not None:
+            size = -(-(max(lengths, default=0) + 1) // self.step) * self.step
+            rows = mx.array(keep)
+            self.keys, self.values = self.keys[rows, :, :size], self.values[rows, :, :size]
+        self._set_lengths(lengths)
+
+    def extend(self, other: "RaggedKVCache") -> None:
+        """Append the rows of ``other`` after this cache's rows."""
+        like = self if other.keys is None else other
+        if like.keys is not None:
+            size = max(c.keys.shape[2] for c in (self, other) if c.keys is not None)
+
+            def padded(c: RaggedKVCache) -> list[mx.array]:
+                if c.keys is None:
+                    return [mx.zeros((len(c.lengths), *x.shape[1:2], size, x.shape[3]), x.dtype)
+                            for x in (like.keys, like.values)]
+                pad = [(0, 0), (0, 0), (0, size - c.keys.shape[2]), (0, 0)]
+                return [mx.pad(c.keys, pad), mx.pad(c.values, pad)]
+
+            (k0, v0), (k1, v1) = padded(self), padded(other)
+            self.keys, self.values = mx.concatenate([k0, k1]), mx.concatenate([v0, v1])
+        self._set_lengths(self.lengths + other.lengths)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def size(self) -> int:
+        return max(self.lengths, default=0)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes

@@ -1,0 +1,360 @@
+"""The batch engine: every row exact, whatever the rows around it accept, join or cancel.
+
+Oracle drafters make the rows of one step accept different numbers of
+proposals; the tests assert such steps happened. The sampling test is
+statistical: chi-square at significance ALPHA (1e-3) per checked distribution,
+two distributions, fixed seeds, so a correct engine fails it with probability
+at most 2e-3 over seeds, and the outcome is reproducible.
+"""
+
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ConcatenateKVCache
+from mlx_lm.sample_utils import make_repetition_penalty
+from stats import ALPHA, chi_square_p_value
+from test_hybrid import build, make_drafter
+from tiny import EOS_ID, MASK_ID
+
+import dflash_mlx
+from dflash_mlx import DFlashModel, batch_generate, stream_generate
+from dflash_mlx.adaptive import CostCurve
+from dflash_mlx.batch import BatchEngine
+from dflash_mlx.batch_adaptive import BatchBlockSize, RowCostCurve
+from dflash_mlx.drafter import Drafter
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.kernels import get_ops
+from dflash_mlx.ragged import RaggedKVCache
+from dflash_mlx.sampling import SamplingParams, probabilities
+from dflash_mlx.target import Target
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "A",
+    "Once upon a time, in a land far away,",
+]
+WRONG_EVERY = [3, 0, 5, 2, 7]  # per request: how often its oracle proposal is wrong (0: never)
+MAX_TOKENS = [40, 24, 40, 33, 17]
+
+
+class RowOracle(Drafter):
+    """``OracleDrafter`` for the batch engine: row r drafts the reference of request
+    ``engine.uids[r]``, wrong at every ``wrong[uid]``-th position."""
+
+    def __init__(self, drafter: Drafter):
+        super().__init__(drafter.args)
+        self.update(drafter.parameters())
+        self.refs, self.wrong, self.engine = {}, {}, None
+
+    def draft_rows(self, block_embeddings, context_hidden, cache, lm_head, ops):
+        logits = super().draft_rows(block_embeddings, context_hidden, cache, lm_head, ops)
+        L, V = block_embeddings.shape[1], logits.shape[-1]
+        if L == 1:  # a prompt chunk absorbed while prefilling: nothing drafted
+            return logits
+        rows = []
+        for r, uid in enumerate(self.engine.uids):
+            ref, every, start = self.refs[uid], self.wrong[uid], cache[0].lengths[r]
+            for pos in range(start + 1, start + L):
+                tok = ref[pos] if pos < len(ref) else 0
+                rows.append((tok + 1) % V if every and pos % every == 0 else tok)
+        return logits * 0 + 30.0 * mx.eye(V)[mx.array(rows)].reshape(logits.shape)
+
+
+def reference(model, prompt, max_tokens, **kwargs):
+    out = []
+    for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, **kwargs):
+        out.append(int(t))
+        if out[-1] == EOS_ID:
+            break
+    return out
+
+
+def collect(engine, events=None):
+    """Step until idle; tokens per uid (stop tokens included) and each uid's final event."""
+    events = events if events is not None else {}
+    while not engine.idle:
+        for e in engine.step():
+            events.setdefault(e.uid, []).append(e)
+    return events
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def family(request, tiny_pair):
+    model, tokenizer = dflash_mlx.load(*map(str, tiny_pair(request.param)))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    refs = [reference(model.target.model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    return model, tokenizer, prompts, refs
+
+
+def oracle_engine(model, block_size=6, **kwargs):
+    oracle = RowOracle(model.drafter)
+    engine = BatchEngine(DFlashModel(model.target, oracle), block_size=block_size, **kwargs)
+    oracle.engine = engine
+    return engine, oracle
+
+
+def add(engine, oracle, prompt, ref, wrong, max_tokens, stop_tokens=(), **kwargs):
+    uid = engine.add(prompt, max_tokens=max_tokens, stop_tokens=[EOS_ID, *stop_tokens], **kwargs)
+    oracle.refs[uid], oracle.wrong[uid] = prompt + ref, wrong
+    return uid
+
+
+def test_greedy_rows_match_single_requests_and_mlx_lm(family):
+    """Rows of different lengths accepting different counts: each equals its own decoding."""
+    model, tokenizer, prompts, refs = family
+    engine, oracle = oracle_engine(model, prefill_step_size=16)
+    uids = [add(engine, oracle, p, r, w, n) for p, r, w, n in zip(prompts, refs, WRONG_EVERY, MAX_TOKENS)]
+    events = collect(engine)
+    for uid, prompt, ref, n in zip(uids, prompts, refs, MAX_TOKENS):
+        out = [e.token for e in events[uid]]
+        assert out == ref, uid
+        single = [r.token for r in stream_generate(model, tokenizer, prompt, n, block_size=6)]
+        assert out == single
+        assert events[uid][-1].finish_reason == ("stop" if out[-1] == EOS_ID else "length")
+        assert all(e.finish_reason is None for e in events[uid][:-1])
+    stats = engine.stats
+    assert stats.ragged_steps > 0, "no step in which rows accepted different counts"
+    # The 16-token prefill budget spreads the prompts over steps: rows joined a running batch.
+    assert max(stats.rows) >= 3 and len(stats.rows) > 2 and stats.batched
+    never_wrong = events[uids[1]][-1].stats
+    assert never_wrong.tau > 4  # whole blocks accepted while the neighbours were rejected
+
+
+def test_rows_join_mid_run_and_cancelled_rows_leave(family):
+    model, _, prompts, refs = family
+    engine, oracle = oracle_engine(model, block_size=4)
+    first = [add(engine, oracle, prompts[i], refs[i], WRONG_EVERY[i], MAX_TOKENS[i]) for i in (0, 2, 4)]
+    events = {}
+
+    def step():
+        for e in engine.step():
+            events.setdefault(e.uid, []).append(e)
+
+    for _ in range(3):
+        step()
+    late = [add(engine, oracle, prompts[i], refs[i], WRONG_EVERY[i], MAX_TOKENS[i]) for i in (1, 3)]
+    step()
+    cancelled = first[0]
+    assert engine.cancel(cancelled) and cancelled not in engine.uids
+    assert not engine.cancel(cancelled)
+    collect(engine, events)
+    assert events[cancelled][-1].finish_reason is None and len(events[cancelled]) < len(refs[0])
+    for uid, i in zip(first + late, (0, 2, 4, 1, 3)):
+        if uid != cancelled:
+            assert [e.token for e in events[uid]] == refs[i]
+    assert engine.idle and engine.cache is None
+
+
+def test_logits_processors_stops_and_logprobs_are_per_request(family):
+    model, _, prompts, refs = family
+    penalty = [make_repetition_penalty(1.5, 20)]
+    penalised = reference(model.target.model, prompts[2], 30, logits_processors=penalty)
+    engine, oracle = oracle_engine(model)
+    plain = add(engine, oracle, prompts[0], refs[0], 4, 40, logprobs=True)
+    proc = add(engine, oracle, prompts[2], penalised, 4, 30, logits_processors=penalty)
+    # Stop on a two-token sequence that first appears part-way through the reference.
+    ref = refs[4]
+    k = next(i for i in range(3, len(ref) - 1) if (ref[i], ref[i + 1]) not in zip(ref[:i], ref[1 : i + 1]))
+    assert EOS_ID not in ref[: k + 2]
+    stopped = add(engine, oracle, prompts[4], ref, 0, 40, stop_tokens=[[ref[k], ref[k + 1]]])
+    events = collect(engine)
+    assert [e.token for e in events[proc]] == penalised
+    assert [e.token for e in events[stopped]] == ref[: k + 2]
+    assert events[stopped][-1].finish_reason == "stop"
+    # logprobs: the target's log-softmax at each committed token.
+    out = [e.token for e in events[plain]]
+    logits = model.target.model(mx.array([prompts[0] + out[:-1]]))[0, len(prompts[0]) - 1 :]
+    expected = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[np.arange(len(out)), out]
+    assert np.allclose([e.logprob for e in events[plain]], expected, atol=1e-4)
+
+
+def test_batch_generate_mirrors_mlx_lm(family):
+    model, tokenizer, prompts, refs = family
+    response = batch_generate(
+        model, tokenizer, [PROMPTS[0], prompts[1], PROMPTS[3]], max_tokens=[40, 24, 33],
+        return_token_ids=True, block_size=4,
+    )
+    for ids, text, ref in zip(response.token_ids, response.texts, [refs[0], refs[1], refs[3]]):
+        assert ids == [t for t in ref if t != EOS_ID]
+        assert text == tokenizer.decode(ids)
+    assert response.caches is None and response.stats.generation_tokens > 0
+    with pytest.raises(DFlashError, match="prompt caches"):
+        batch_generate(model, tokenizer, prompts[:1], return_prompt_caches=True)
+    with pytest.raises(DFlashError, match="one per prompt"):
+        batch_generate(model, tokenizer, prompts[:2], max_tokens=[3])
+
+
+def test_bad_requests_are_refused(family):
+    model = family[0]
+    engine = BatchEngine(model)
+    for kwargs, message in [
+        (dict(prompt=[]), "prompt is empty"),
+        (dict(prompt=[5], max_tokens=0), "max_tokens must be at least 1"),
+        (dict(prompt=[5], seed=1, sampler=lambda lp: mx.argmax(lp, -1)), "seed cannot reach a custom sampler"),
+        (dict(prompt=[5], temp=-1.0), "bad sampling settings"),
+    ]:
+        with pytest.raises(DFlashError, match=message):
+            engine.add(**kwargs)
+    with pytest.raises(DFlashError, match="block size"):
+        BatchEngine(model, block_size=0)
+
+
+def test_ragged_drafter_rows_equal_single_rows(tiny_pair):
+    """One drafter forward over rows with different context lengths gives each row's own logits,
+    for full-attention and sliding-window drafter layers."""
+    model, _ = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
+    target, ops = model.target, get_ops(False)
+    args = replace(model.drafter.args, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    drafter = Drafter(args)
+    drafter.update(model.drafter.parameters())
+    head = target.head()
+    mx.random.seed(3)
+    contexts = [mx.random.normal((1, n, 2 * args.hidden_size)) for n in (9, 3, 6)]
+    news = [mx.random.normal((1, n, 2 * args.hidden_size)) for n in (1, 4, 2)]
+    blocks = target.embed(mx.array([[7, MASK_ID, MASK_ID, MASK_ID]] * 3))
+    expected = []
+    for ctx, new in zip(contexts, news):
+        cache = drafter.make_cache()
+        drafter(blocks[:1], ctx, cache, head, ops)
+        expected.append(drafter(blocks[:1], new, cache, head, ops))
+    caches = None
+    for ctx in contexts:
+        row = [RaggedKVCache() for _ in drafter.layers]
+        drafter.draft_rows(blocks[:1, :1], ctx, row, head, ops)
+        if caches is None:
+            caches = row
+        else:
+            for batch, one in zip(caches, row):
+                batch.extend(one)
+    width = max(n.shape[1] for n in news)
+    for c in caches:
+        c.prepare([width - n.shape[1] for n in news])
+    padded = mx.concatenate([mx.pad(n, [(0, 0), (width - n.shape[1], 0), (0, 0)]) for n in news])
+    got = drafter.draft_rows(blocks, padded, caches, head, ops)
+    for r in range(3):
+        assert mx.allclose(got[r], expected[r], atol=1e-4).item(), r
+    assert caches[0].lengths == [10, 7, 8]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma3_text"])
+def test_hybrid_and_sliding_window_targets_are_batched(name):
+    """Gated DeltaNet rows replay their own accepted steps; sliding-window rows mask by position."""
+    model = build(name)
+    pair = DFlashModel(Target(model, [0, 2]), make_drafter(model))
+    prompts = [[5, 17, 9, 33, 2, 41, 8, 8, 60, 12, 27, 3], [40, 7], [11, 58, 31, 22, 44, 19, 6]]
+    refs = [reference(model, p, 20) for p in prompts]
+    engine, oracle = oracle_engine(pair, block_size=5, prefill_step_size=8)
+    uids = [add(engine, oracle, p, r, w, 20) for p, r, w in zip(prompts, refs, (3, 0, 4))]
+    events = collect(engine)
+    for uid, ref in zip(uids, refs):
+        assert [e.token for e in events[uid]] == ref
+    assert engine.stats.batched and engine.stats.ragged_steps > 0
+
+
+def test_target_the_engine_cannot_batch_is_served_one_at_a_time():
+    """A Gated DeltaNet layer without per-row lengths: one row at a time, and the stats say why."""
+    model = build("qwen3_5")
+    mixers = [layer["linear_attn"] for layer in model.layers if "linear_attn" in layer]
+    base = type(mixers[0])
+
+    class NoLengths(base):  # what the engine sees of an mlx_lm layer without batched lengths
+        def __call__(self, inputs, mask=None, cache=None):
+            return base.__call__(self, inputs, mask, cache)
+
+    for mixer in mixers:
+        mixer.__class__ = NoLengths
+    pair = DFlashModel(Target(model, [0, 2]), make_drafter(model))
+    engine, oracle = oracle_engine(pair, block_size=4)
+    prompts = [[5, 17, 9, 33, 2, 41], [40, 7, 12]]
+    refs = [reference(model, p, 12) for p in prompts]
+    uids = [add(engine, oracle, p, r, 3, 12) for p, r in zip(prompts, refs)]
+    events = collect(engine)
+    assert [[e.token for e in events[u]] for u in uids] == refs
+    assert not engine.stats.batched and "per-row lengths" in engine.stats.reason
+    assert set(engine.stats.rows) == {1}
+
+
+def third_token_marginal(net, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    """Exact distribution of the third sampled token, enumerated over the first two
+    (the prompt's K/V computed once and copied to every continuation)."""
+    cache = [ConcatenateKVCache() for _ in net.layers]
+    p1 = np.array(probabilities(net(mx.array([prompt]), cache=cache)[0, -1:], params))[0]
+    V = p1.size
+
+    def copies(n):
+        out = [ConcatenateKVCache() for _ in cache]
+        for copy, c in zip(out, cache):
+            copy.state = [mx.repeat(x, n, axis=0) for x in c.state]
+        return out
+
+    first = mx.arange(V)
+    p2 = np.array(probabilities(net(first[:, None], cache=copies(V))[:, -1], params))
+    pairs = mx.stack([mx.repeat(first, V), mx.tile(first, V)], axis=1)
+    p3 = np.array(probabilities(net(pairs, cache=copies(V * V))[:, -1], params)).reshape(V, V, V)
+    return np.einsum("a,ab,abv->v", p1, p2, p3)
+
+
+def test_sampling_is_exact_per_row_under_batching(tiny_pair):
+    """Third generated token of two requests with different settings and prompt lengths,
+    decoded side by side with block 3 (rows accept 0, 1 or 2 proposals, so some roll
+    back while their neighbours do not), against its exact marginal."""
+    model, tokenizer = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
+    net = model.target.model
+    settings = [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9)]
+    prompts = [tokenizer.encode("Once upon"), tokenizer.encode("The cat sat on")]
+    expected = [third_token_marginal(net, p, s) for p, s in zip(prompts, settings)]
+    engine, oracle = oracle_engine(model, block_size=3, completion_batch_size=8)
+    greedy = [prompt + reference(net, prompt, 3) for prompt in prompts]
+    runs, uids = 250, [[], []]
+    for i in range(runs):
+        for k, (prompt, params) in enumerate(zip(prompts, settings)):
+            uid = engine.add(prompt, max_tokens=3, temp=params.temp, top_p=params.top_p, seed=2 * i + k)
+            oracle.refs[uid], oracle.wrong[uid] = greedy[k], 0
+            uids[k].append(uid)
+    events = collect(engine)
+    for k in range(2):
+        counts = np.bincount([events[u][2].token for u in uids[k]], minlength=expected[k].size)
+        assert chi_square_p_value(counts, expected[k]) > ALPHA, k
+    accepted = [sum(e.from_draft for e in events[u]) for u in uids[0] + uids[1]]
+    assert {0, 1, 2} <= set(accepted)  # full, partial and no acceptance all occurred
+    assert engine.stats.ragged_steps > 0 and max(engine.stats.rows) == 8
+
+
+def test_seeded_request_is_independent_of_its_neighbours(tiny_pair):
+    model, tokenizer = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
+    prompt = tokenizer.encode("Seeded")
+
+    def run(neighbours):
+        engine = BatchEngine(model, block_size=4)
+        for i in range(neighbours):
+            engine.add(tokenizer.encode("x" * (i + 1)), max_tokens=8 + i, temp=1.0, seed=100 + i)
+        uid = engine.add(prompt, max_tokens=20, temp=0.8, top_k=20, seed=7)
+        return [e.token for e in collect(engine)[uid]]
+
+    alone = run(0)
+    assert run(3) == alone and len(alone) == 20
+
+
+def test_batch_policy_shrinks_the_block_as_rows_grow(family):
+    """With verify cost growing in rows x block, more rows mean a smaller block; greedy stays exact."""
+    curve = RowCostCurve({
+        1: CostCurve(verify={1: 1.0, 4: 1.05, 8: 1.1}, draft={1: 0.0, 8: 0.05}),  # one row: nearly flat
+        8: CostCurve(verify={1: 8.0, 2: 8.8, 4: 12.0, 8: 24.0}, draft={1: 0.0, 8: 0.8}),  # 8 rows: compute-bound
+    })
+    # Every row accepts each proposal with probability 0.8 (no optimism: the rates as they are).
+    policy = BatchBlockSize(curve, 8, prior=0.8, optimism=0.0)
+    trackers = [policy.track() for _ in range(8)]
+    assert policy.next_block_size(trackers[:1]) == 8
+    assert policy.next_block_size(trackers) == 4
+    assert policy.next_block_size(trackers[:4]) in (4, 5, 6)  # interpolated between 1 and 8 rows
+    model, _, prompts, refs = family
+    engine, oracle = oracle_engine(model, block_size=BatchBlockSize(curve, 8))
+    uids = [add(engine, oracle, p, r, w, n) for p, r, w, n in zip(prompts, refs, WRONG_EVERY, MAX_TOKENS)]
+    events = collect(engine)
+    assert [[e.token for e in events[u]] for u in uids] == refs
+    assert len(engine.stats.block_sizes) > 1
