@@ -123,9 +123,11 @@ class BatchEngine:
 
     block_size: fixed, ``"auto"`` (per step, from the measured cost of R rows x
     B tokens and each row's acceptance, ``batch_adaptive``) or a
-    ``BatchBlockSize``; default the drafter's. completion_batch_size: most rows
-    decoded together; more requests wait. prefill_step_size: most prompt
-    tokens prefilled per step.
+    ``BatchBlockSize``; default the drafter's (with many rows, ``"auto"`` is
+    what keeps the verify cost of R x B rows in check). completion_batch_size:
+    most rows decoded together; more requests wait. prefill_step_size: most
+    prompt tokens prefilled per step. Not thread-safe: one thread (the server's
+    worker) calls ``add``, ``cancel`` and ``step``.
     """
 
     def __init__(
@@ -142,7 +144,9 @@ class BatchEngine:
         self.policy = block_size if isinstance(block_size, BatchBlockSize) else None
         if block_size == "auto":
             self.policy = make_batch_policy(model, use_metal=use_metal)
-        self.block_size = self.policy.max_block_size if self.policy else model.block_size if block_size is None else block_size
+        if self.policy:
+            block_size = self.policy.max_block_size
+        self.block_size = model.block_size if block_size is None else block_size
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
             raise DFlashError(f"block size {block_size!r} is invalid: use 1..{MAX_BLOCK_SIZE} or 'auto'")
         if completion_batch_size < 1 or prefill_step_size < 1:

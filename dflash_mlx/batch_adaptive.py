@@ -38,9 +38,14 @@ def calibrate_rows(
     use_metal: bool | None = None,
 ) -> RowCostCurve:
     """``adaptive.calibrate`` at each row count in ``rows``."""
-    return RowCostCurve(
-        {r: calibrate(model, max_block_size, repeats=repeats, use_metal=use_metal, rows=r) for r in rows}
-    )
+    curves = {r: calibrate(model, max_block_size, repeats=repeats, use_metal=use_metal, rows=r) for r in sorted(rows)}
+    # More rows never cost less: a count that timed faster than a smaller one was noise.
+    for small, large in zip(sorted(rows), sorted(rows)[1:]):
+        a, b = curves[small], curves[large]
+        curves[large] = CostCurve(
+            {k: max(v, a.verify[k]) for k, v in b.verify.items()}, {k: max(v, a.draft[k]) for k, v in b.draft.items()}
+        )
+    return RowCostCurve(curves)
 
 
 _curves: "weakref.WeakKeyDictionary[DFlashModel, RowCostCurve]" = weakref.WeakKeyDictionary()

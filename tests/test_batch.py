@@ -23,7 +23,7 @@ import dflash_mlx
 from dflash_mlx import DFlashModel, batch_generate, stream_generate
 from dflash_mlx.adaptive import CostCurve
 from dflash_mlx.batch import BatchEngine
-from dflash_mlx.batch_adaptive import BatchBlockSize, RowCostCurve
+from dflash_mlx.batch_adaptive import BatchBlockSize, RowCostCurve, calibrate_rows
 from dflash_mlx.drafter import Drafter
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.kernels import get_ops
@@ -358,3 +358,12 @@ def test_batch_policy_shrinks_the_block_as_rows_grow(family):
     events = collect(engine)
     assert [[e.token for e in events[u]] for u in uids] == refs
     assert len(engine.stats.block_sizes) > 1
+
+
+def test_calibrated_batch_cost_grows_with_rows(tiny_pair):
+    model, _ = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
+    curve = calibrate_rows(model, rows=(1, 3), max_block_size=4, repeats=1)
+    assert set(curve.curves) == {1, 3}
+    for B in (1, 2, 4):
+        assert 0 < curve.step_seconds(1, B) <= curve.step_seconds(2, B) <= curve.step_seconds(3, B)
+    assert curve.step_seconds(3, 4) >= curve.step_seconds(3, 1)
