@@ -4,7 +4,7 @@
 
 At each concurrency c, c requests (the first c MT-Bench questions, chat
 template applied, greedy) arrive together and run to completion, on the
-built-in pair (``dflash_mlx.default.default_pair``), once per system:
+built-in pair (``dflash_mlx.default.default_pair``), for each system:
 
 - ``batched``: ``BatchEngine`` with up to c rows (``--block-size``, default auto);
 - ``serial``: our ``stream_generate``, one request after another (what
@@ -12,14 +12,17 @@ built-in pair (``dflash_mlx.default.default_pair``), once per system:
 - ``mlx_lm``: mlx_lm's ``BatchGenerator`` decoding the same target plainly,
   batched (prefill and completion batches of c), same process, same BLAS.
 
-Systems alternate order from one concurrency to the next. Aggregate tokens/s is
-every generated token over the wall time from arrival to the last finish;
-latency is each request's time from arrival to its last token (queueing
-included), p50 and p95. ``exact`` compares each system's tokens with the serial
-run's (``stream_generate``, which the tests hold to mlx_lm's greedy decoding;
-mlx_lm's batched decoding may differ from it where batching changes rounding).
-The table goes to stdout, the details (and the calibrated batch cost curve,
-which says what limits the batch size) to ``--out`` as JSON.
+The systems run interleaved step by step (one engine step, one serial step,
+one mlx_lm step, round robin, each followed by synchronizing every stream), and each
+has its own clock that advances only while it works: on a shared machine a busy
+spell hits all three alike. Aggregate tokens/s is every generated token over
+the system's clock at its last finish; latency is a request's clock time from
+arrival to its last token (queueing included), p50 and p95. ``exact`` compares
+each system's tokens with the serial run's (``stream_generate``, which the
+tests hold to mlx_lm's greedy decoding; mlx_lm's batched decoding can differ
+from it where batching changes rounding). The table goes to stdout, the details
+(and the calibrated batch cost curve, which shows what limits the batch size)
+to ``--out`` as JSON.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import dflash_mlx
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, generation_stream
 
 from dflash_mlx import stream_generate
 from dflash_mlx.batch import BatchEngine
@@ -40,50 +43,63 @@ from dflash_mlx.batch_adaptive import row_cost_curve
 from dflash_mlx.benchmark import load_dataset
 from dflash_mlx.default import default_pair
 
+# Each system is a generator that does one unit of work per next() and yields
+# (request index, token or None, finished) for what that unit produced.
 
-def run_batched(model, prompts, eos, max_tokens, block_size):
+
+def batched(model, prompts, eos, max_tokens, block_size, stats):
     engine = BatchEngine(model, block_size=block_size, completion_batch_size=len(prompts))
-    tic = time.perf_counter()
-    uids = [engine.add(p, max_tokens=max_tokens, stop_tokens=eos) for p in prompts]
-    tokens, done = {u: [] for u in uids}, {}
+    index = {engine.add(p, max_tokens=max_tokens, stop_tokens=eos): i for i, p in enumerate(prompts)}
     while not engine.idle:
-        for e in engine.step():
-            if e.finish_reason != "stop":
-                tokens[e.uid].append(e.token)
-            if e.finish_reason:
-                done[e.uid] = time.perf_counter() - tic
-    stats = engine.stats
-    extra = {"mean_rows": stats.mean_rows, "steps": stats.steps, "ragged_steps": stats.ragged_steps,
-             "block_sizes": dict(stats.block_sizes)}
-    return [tokens[u] for u in uids], [done[u] for u in uids], extra
+        yield [(index[e.uid], None if e.finish_reason == "stop" else e.token, e.finish_reason is not None)
+               for e in engine.step()]
+    s = engine.stats
+    stats.update(mean_rows=s.mean_rows, steps=s.steps, ragged_steps=s.ragged_steps, block_sizes=dict(s.block_sizes))
 
 
-def run_serial(model, tokenizer, prompts, eos, max_tokens, block_size):
-    tic = time.perf_counter()
-    outputs, done = [], []
-    for p in prompts:
-        out = [r.token for r in stream_generate(model, tokenizer, p, max_tokens, block_size=block_size)
-               if r.finish_reason != "stop"]
-        outputs.append(out)
-        done.append(time.perf_counter() - tic)
-    return outputs, done, {}
+def serial(model, tokenizer, prompts, max_tokens, block_size, stats):
+    for i, p in enumerate(prompts):
+        for r in stream_generate(model, tokenizer, p, max_tokens, block_size=block_size):
+            yield [(i, None if r.finish_reason == "stop" else r.token, r.finish_reason is not None)]
 
 
-def run_mlx_lm(model, prompts, eos, max_tokens):
+def plain_batched(model, prompts, eos, max_tokens, stats):
     c = len(prompts)
     gen = BatchGenerator(model.target.model, max_tokens=max_tokens, stop_tokens=[[t] for t in eos],
                          completion_batch_size=c, prefill_batch_size=c)
-    tic = time.perf_counter()
-    uids = gen.insert(prompts)
-    tokens, done = {u: [] for u in uids}, {}
-    while responses := gen.next_generated():
-        for r in responses:
-            if r.finish_reason != "stop":
-                tokens[r.uid].append(r.token)
-            if r.finish_reason:
-                done[r.uid] = time.perf_counter() - tic
+    index = {uid: i for i, uid in enumerate(gen.insert(prompts))}
+    while True:
+        prompt_responses, responses = gen.next()
+        if not prompt_responses and not responses:
+            break
+        yield [(index[r.uid], None if r.finish_reason == "stop" else r.token, r.finish_reason is not None)
+               for r in responses]
     gen.close()
-    return [tokens[u] for u in uids], [done[u] for u in uids], {}
+
+
+def race(systems: dict, n: int) -> dict:
+    """Advance every system one unit at a time, round robin, each on its own clock."""
+    runs = {name: dict(clock=0.0, outputs=[[] for _ in range(n)], latency=[0.0] * n) for name in systems}
+    active = dict(systems)
+    while active:
+        for name, gen in list(active.items()):
+            run = runs[name]
+            tic = time.perf_counter()
+            try:
+                produced = next(gen)
+            except StopIteration:
+                del active[name]
+                continue
+            # No system's pending work may run on another's clock (mlx_lm decodes on its own stream).
+            mx.synchronize()
+            mx.synchronize(generation_stream)
+            run["clock"] += time.perf_counter() - tic
+            for i, token, finished in produced:
+                if token is not None:
+                    run["outputs"][i].append(token)
+                if finished:
+                    run["latency"][i] = run["clock"]
+    return runs
 
 
 def percentile(xs, q):
@@ -108,35 +124,27 @@ def main():
                for q in questions]
     curve = row_cost_curve(model) if block_size == "auto" else None
     # Warm-up: first calls pay for allocation and graph setup.
-    run_batched(model, prompts[:2], eos, 8, block_size)
-    run_mlx_lm(model, prompts[:2], eos, 8)
+    race({"batched": batched(model, prompts[:2], eos, 8, block_size, {}),
+          "mlx_lm": plain_batched(model, prompts[:2], eos, 8, {})}, 2)
 
-    systems = {
-        "batched": lambda ps: run_batched(model, ps, eos, args.max_tokens, block_size),
-        "serial": lambda ps: run_serial(model, tokenizer, ps, eos, args.max_tokens, args.serial_block_size),
-        "mlx_lm": lambda ps: run_mlx_lm(model, ps, eos, args.max_tokens),
-    }
     results = []
     print(f"{'clients':>7} {'system':>8} {'tok/s':>7} {'p50 s':>7} {'p95 s':>7} {'rows/step':>9}  exact")
-    for i, c in enumerate(args.concurrency):
-        order = list(systems) if i % 2 == 0 else list(reversed(systems))
-        runs = {}
-        for name in order:
-            tic = time.perf_counter()
-            outputs, latency, extra = systems[name](prompts[:c])
-            wall = time.perf_counter() - tic
-            runs[name] = dict(outputs=outputs, latency=latency, wall=wall, extra=extra,
-                              tokens=sum(len(o) for o in outputs))
-        for name in systems:
-            r = runs[name]
-            exact = r["outputs"] == runs["serial"]["outputs"]
-            row = dict(clients=c, system=name, tokens_per_second=r["tokens"] / r["wall"],
-                       p50=statistics.median(r["latency"]), p95=percentile(r["latency"], 0.95),
-                       tokens=r["tokens"], wall=r["wall"], exact=exact, **r["extra"])
+    for c in args.concurrency:
+        ps, extras = prompts[:c], {name: {} for name in ("batched", "serial", "mlx_lm")}
+        runs = race({
+            "batched": batched(model, ps, eos, args.max_tokens, block_size, extras["batched"]),
+            "serial": serial(model, tokenizer, ps, args.max_tokens, args.serial_block_size, extras["serial"]),
+            "mlx_lm": plain_batched(model, ps, eos, args.max_tokens, extras["mlx_lm"]),
+        }, c)
+        for name, r in runs.items():
+            tokens = sum(len(o) for o in r["outputs"])
+            row = dict(clients=c, system=name, tokens_per_second=tokens / r["clock"],
+                       p50=statistics.median(r["latency"]), p95=percentile(r["latency"], 0.95), tokens=tokens,
+                       seconds=r["clock"], exact=r["outputs"] == runs["serial"]["outputs"], **extras[name])
             results.append(row)
             rows = f"{row['mean_rows']:.2f}" if "mean_rows" in row else "-"
             print(f"{c:>7} {name:>8} {row['tokens_per_second']:>7.2f} {row['p50']:>7.2f} {row['p95']:>7.2f} "
-                  f"{rows:>9}  {exact}", flush=True)
+                  f"{rows:>9}  {row['exact']}", flush=True)
         tps = {r["system"]: r["tokens_per_second"] for r in results if r["clients"] == c}
         print(f"{c:>7} {'ratio':>8} batched/mlx_lm {tps['batched'] / tps['mlx_lm']:.2f}x, "
               f"batched/serial {tps['batched'] / tps['serial']:.2f}x", flush=True)

@@ -139,21 +139,19 @@ class BatchEngine:
         prefill_step_size: int = 512,
         use_metal: bool | None = None,
     ):
-        self.target, self.drafter = model.target, model.drafter
-        self.ops = kernels.get_ops(use_metal)
-        self.policy = block_size if isinstance(block_size, BatchBlockSize) else None
-        if block_size == "auto":
-            self.policy = make_batch_policy(model, use_metal=use_metal)
-        if self.policy:
-            block_size = self.policy.max_block_size
-        self.block_size = model.block_size if block_size is None else block_size
-        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
-            raise DFlashError(f"block size {block_size!r} is invalid: use 1..{MAX_BLOCK_SIZE} or 'auto'")
         if completion_batch_size < 1 or prefill_step_size < 1:
             raise DFlashError(
                 f"completion_batch_size {completion_batch_size} and prefill_step_size "
                 f"{prefill_step_size} must be at least 1"
             )
+        if not (block_size is None or block_size == "auto" or isinstance(block_size, BatchBlockSize)
+                or (isinstance(block_size, int) and 1 <= block_size <= MAX_BLOCK_SIZE)):
+            raise DFlashError(f"block size {block_size!r} is invalid: use 1..{MAX_BLOCK_SIZE} or 'auto'")
+        self.target, self.drafter = model.target, model.drafter
+        self.ops = kernels.get_ops(use_metal)
+        self.policy = make_batch_policy(model, use_metal=use_metal) if block_size == "auto" else (
+            block_size if isinstance(block_size, BatchBlockSize) else None)
+        self.block_size = self.policy.max_block_size if self.policy else block_size or model.block_size
         self.prefill_step_size = prefill_step_size
         reason = self.target.cache_policy.batch_refusal
         if completion_batch_size == 1:
