@@ -10,7 +10,10 @@ built-in pair (``dflash_mlx.default.default_pair``), for each system:
 - ``serial``: our ``stream_generate``, one request after another (what
   ``dflash-mlx serve`` does today);
 - ``mlx_lm``: mlx_lm's ``BatchGenerator`` decoding the same target plainly,
-  batched (prefill and completion batches of c), same process, same BLAS.
+  batched (prefill and completion batches of c), same process, same BLAS;
+- ``oracle`` (with ``--oracle N``): the batch engine with a drafter that runs
+  its real forward but proposes the target's own greedy continuation, wrong at
+  every N-th position: what the engine reaches when acceptance is high.
 
 The systems run interleaved step by step (one engine step, one serial step,
 one mlx_lm step, round robin, each followed by synchronizing every stream), and each
@@ -30,26 +33,37 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import dflash_mlx
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, generation_stream
+from mlx_lm.generate import BatchGenerator, generate_step, generation_stream
 
-from dflash_mlx import stream_generate
+from dflash_mlx import DFlashModel, stream_generate
 from dflash_mlx.batch import BatchEngine
 from dflash_mlx.batch_adaptive import row_cost_curve
 from dflash_mlx.benchmark import load_dataset
 from dflash_mlx.default import default_pair
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from tiny import RowOracleDrafter  # noqa: E402
+
+
 # Each system is a generator that does one unit of work per next() and yields
 # (request index, token or None, finished) for what that unit produced.
 
 
-def batched(model, prompts, eos, max_tokens, block_size, stats):
+def batched(model, prompts, eos, max_tokens, block_size, stats, oracle=None, refs=None, wrong_every=0):
+    if oracle is not None:
+        model = DFlashModel(model.target, oracle)
     engine = BatchEngine(model, block_size=block_size, completion_batch_size=len(prompts))
     index = {engine.add(p, max_tokens=max_tokens, stop_tokens=eos): i for i, p in enumerate(prompts)}
+    if oracle is not None:
+        oracle.engine = engine
+        oracle.refs = {uid: prompts[i] + refs[i] for uid, i in index.items()}
+        oracle.wrong = dict.fromkeys(index, wrong_every)
     while not engine.idle:
         yield [(index[e.uid], None if e.finish_reason == "stop" else e.token, e.finish_reason is not None)
                for e in engine.step()]
@@ -113,6 +127,8 @@ def main():
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--block-size", default="auto", help="the batch engine's block size: an integer or auto")
     p.add_argument("--serial-block-size", type=int, default=4, help="block size of the one-at-a-time runs")
+    p.add_argument("--oracle", type=int, default=0, metavar="N",
+                   help="also run the engine with an oracle drafter wrong at every N-th position (0: off)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "batch.json")
     args = p.parse_args()
     block_size = args.block_size if args.block_size == "auto" else int(args.block_size)
@@ -127,15 +143,29 @@ def main():
     race({"batched": batched(model, prompts[:2], eos, 8, block_size, {}),
           "mlx_lm": plain_batched(model, prompts[:2], eos, 8, {})}, 2)
 
+    oracle, refs = None, None
+    if args.oracle:
+        oracle = RowOracleDrafter(model.drafter)
+        refs = []  # mlx_lm's own greedy answers, one request at a time
+        for prompt in prompts:
+            refs.append([])
+            for t, _ in generate_step(mx.array(prompt), model.target.model, max_tokens=args.max_tokens):
+                refs[-1].append(int(t))
+                if refs[-1][-1] in eos:
+                    break
     results = []
     print(f"{'clients':>7} {'system':>8} {'tok/s':>7} {'p50 s':>7} {'p95 s':>7} {'rows/step':>9}  exact")
     for c in args.concurrency:
-        ps, extras = prompts[:c], {name: {} for name in ("batched", "serial", "mlx_lm")}
-        runs = race({
+        ps, extras = prompts[:c], {name: {} for name in ("batched", "serial", "mlx_lm", "oracle")}
+        systems = {
             "batched": batched(model, ps, eos, args.max_tokens, block_size, extras["batched"]),
             "serial": serial(model, tokenizer, ps, args.max_tokens, args.serial_block_size, extras["serial"]),
             "mlx_lm": plain_batched(model, ps, eos, args.max_tokens, extras["mlx_lm"]),
-        }, c)
+        }
+        if oracle is not None:
+            systems["oracle"] = batched(model, ps, eos, args.max_tokens, block_size, extras["oracle"],
+                                        oracle, refs, args.oracle)
+        runs = race(systems, c)
         for name, r in runs.items():
             tokens = sum(len(o) for o in r["outputs"])
             row = dict(clients=c, system=name, tokens_per_second=tokens / r["clock"],
@@ -147,9 +177,11 @@ def main():
                   f"{rows:>9}  {row['exact']}", flush=True)
         tps = {r["system"]: r["tokens_per_second"] for r in results if r["clients"] == c}
         print(f"{c:>7} {'ratio':>8} batched/mlx_lm {tps['batched'] / tps['mlx_lm']:.2f}x, "
-              f"batched/serial {tps['batched'] / tps['serial']:.2f}x", flush=True)
+              f"batched/serial {tps['batched'] / tps['serial']:.2f}x"
+              + (f", oracle/mlx_lm {tps['oracle'] / tps['mlx_lm']:.2f}x" if oracle else ""), flush=True)
     report = dict(
         max_tokens=args.max_tokens, block_size=args.block_size, serial_block_size=args.serial_block_size,
+        oracle_wrong_every=args.oracle,
         results=results, peak_memory_gb=mx.get_peak_memory() / 1e9,
         cost_curve=None if curve is None else {
             rows: {"verify": c.verify, "draft": c.draft} for rows, c in curve.curves.items()

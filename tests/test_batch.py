@@ -17,7 +17,7 @@ from mlx_lm.models.cache import ConcatenateKVCache
 from mlx_lm.sample_utils import make_repetition_penalty
 from stats import ALPHA, chi_square_p_value
 from test_hybrid import build, make_drafter
-from tiny import EOS_ID, MASK_ID
+from tiny import EOS_ID, MASK_ID, RowOracleDrafter
 
 import dflash_mlx
 from dflash_mlx import DFlashModel, batch_generate, stream_generate
@@ -40,29 +40,6 @@ PROMPTS = [
 ]
 WRONG_EVERY = [3, 0, 5, 2, 7]  # per request: how often its oracle proposal is wrong (0: never)
 MAX_TOKENS = [40, 24, 40, 33, 17]
-
-
-class RowOracle(Drafter):
-    """``OracleDrafter`` for the batch engine: row r drafts the reference of request
-    ``engine.uids[r]``, wrong at every ``wrong[uid]``-th position."""
-
-    def __init__(self, drafter: Drafter):
-        super().__init__(drafter.args)
-        self.update(drafter.parameters())
-        self.refs, self.wrong, self.engine = {}, {}, None
-
-    def draft_rows(self, block_embeddings, context_hidden, cache, lm_head, ops):
-        logits = super().draft_rows(block_embeddings, context_hidden, cache, lm_head, ops)
-        L, V = block_embeddings.shape[1], logits.shape[-1]
-        if L == 1:  # a prompt chunk absorbed while prefilling: nothing drafted
-            return logits
-        rows = []
-        for r, uid in enumerate(self.engine.uids):
-            ref, every, start = self.refs[uid], self.wrong[uid], cache[0].lengths[r]
-            for pos in range(start + 1, start + L):
-                tok = ref[pos] if pos < len(ref) else 0
-                rows.append((tok + 1) % V if every and pos % every == 0 else tok)
-        return logits * 0 + 30.0 * mx.eye(V)[mx.array(rows)].reshape(logits.shape)
 
 
 def reference(model, prompt, max_tokens, **kwargs):
@@ -92,7 +69,7 @@ def family(request, tiny_pair):
 
 
 def oracle_engine(model, block_size=6, **kwargs):
-    oracle = RowOracle(model.drafter)
+    oracle = RowOracleDrafter(model.drafter)
     engine = BatchEngine(DFlashModel(model.target, oracle), block_size=block_size, **kwargs)
     oracle.engine = engine
     return engine, oracle

@@ -152,3 +152,33 @@ class OracleDrafter(Drafter):
                 tok = (tok + 1) % V
             rows.append(tok)
         return logits * 0 + 30.0 * mx.eye(V)[mx.array(rows)]
+
+
+class RowOracleDrafter(Drafter):
+    """``OracleDrafter`` for the batch engine: row r proposes the reference of request
+    ``engine.uids[r]`` (``refs[uid]``: prompt + the target's continuation), wrong at
+    every ``wrong[uid]``-th position (0: never). Set ``engine`` once it is built.
+
+    One-hot rows are built by comparison, which a real vocabulary can afford.
+    """
+
+    def __init__(self, drafter: Drafter):
+        super().__init__(drafter.args)
+        self.update(drafter.parameters())
+        self.refs, self.wrong, self.engine = {}, {}, None
+
+    def draft_rows(self, block_embeddings, context_hidden, cache, lm_head, ops):
+        logits = super().draft_rows(block_embeddings, context_hidden, cache, lm_head, ops)
+        R, L = block_embeddings.shape[:2]
+        if L == 1:  # a prompt chunk absorbed while prefilling: nothing drafted
+            return logits
+        rows = []
+        for r, uid in enumerate(self.engine.uids):
+            ref, every, start = self.refs[uid], self.wrong[uid], cache[0].lengths[r]
+            for pos in range(start + 1, start + L):
+                tok = ref[pos] if pos < len(ref) else 0
+                rows.append((tok + 1) % logits.shape[-1] if every and pos % every == 0 else tok)
+        hot = mx.arange(logits.shape[-1]) == mx.array(rows).reshape(R, L - 1, 1)
+        # Depends on the real logits (so the forward runs) without their -inf
+        # outside a draft vocabulary.
+        return mx.depends(mx.where(hot, 30.0, 0.0), logits)
