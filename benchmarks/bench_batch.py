@@ -43,7 +43,7 @@ from mlx_lm.generate import BatchGenerator, generate_step, generation_stream
 
 from dflash_mlx import DFlashModel, stream_generate
 from dflash_mlx.batch import BatchEngine
-from dflash_mlx.batch_adaptive import row_cost_curve
+from dflash_mlx.batch_adaptive import make_batch_policy, row_cost_curve
 from dflash_mlx.benchmark import load_dataset
 from dflash_mlx.default import default_pair
 
@@ -56,6 +56,8 @@ from tiny import RowOracleDrafter  # noqa: E402
 
 
 def batched(model, prompts, eos, max_tokens, block_size, stats, oracle=None, refs=None, wrong_every=0):
+    if block_size == "auto":  # the pair's calibration, also for the oracle's pair
+        block_size = make_batch_policy(model)
     if oracle is not None:
         model = DFlashModel(model.target, oracle)
     engine = BatchEngine(model, block_size=block_size, completion_batch_size=len(prompts))
