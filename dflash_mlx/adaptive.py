@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from . import kernels
 from .model import DFlashModel
+from .sampling import Greedy
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -86,6 +87,7 @@ def calibrate(
     _, hidden = target.prefill(tokens[:context], cache)
     mx.eval(hidden)
     head = target.head(drafter.vocab_rows)
+    greedy = Greedy(ops)
     # The drafter's context as in steady state: the prompt absorbed, a few new rows per step.
     drafter(target.embed(tokens[:2])[None], hidden[:, :-2], draft_cache, head, ops)
     def run_verify(B: int) -> None:
@@ -95,8 +97,8 @@ def calibrate(
 
     def run_draft(B: int) -> None:
         block = target.embed(tokens[context : context + B][None])
-        logits = drafter(block, hidden[:, -2:], draft_cache, head, ops)
-        mx.eval(mx.argmax(logits, axis=-1))
+        proposals, _ = drafter.propose(block, tokens[context : context + 1], hidden[:, -2:], draft_cache, head, greedy)
+        mx.eval(proposals)
         for c in draft_cache:
             c.trim(2)
 

@@ -295,7 +295,7 @@ def verify_drafter(path: Path) -> None:
         head = lambda h: h[..., mx.arange(width) % args.hidden_size]  # noqa: E731
         logits = drafter(block.astype(dtype), context.astype(dtype), drafter.make_cache(), head, get_ops(False))
         rows = drafter.vocab_rows  # ids outside a draft vocabulary score -inf by design
-        return logits if rows is None else logits[:, rows]
+        return logits if rows is None else logits[..., rows]
 
     _verify(forward)
 

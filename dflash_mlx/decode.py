@@ -109,7 +109,6 @@ def speculative_decode(
     every step, so it stays valid when the caller stops early.
     """
     processors = logits_processors or []
-    ops = strategy.ops
     policy = None if isinstance(block_size, int) else block_size
     state = prompt_cache if prompt_cache is not None else DecodeCache.new(target, drafter)
     mask = mx.array([drafter.args.mask_token_id], mx.int32)
@@ -117,7 +116,10 @@ def speculative_decode(
 
     start = state.reuse(prompt.tolist(), target)
     cache, draft_cache = state.cache, state.draft_cache
-    logits, context = target.prefill(prompt[start:], cache, prefill_step_size)
+    logits, context = target.prefill(prompt[start:], cache, prefill_step_size, drafter.context_rows)
+    if (unseen := prompt.size - start - context.shape[1]) > 0:
+        for c in draft_cache:  # rows beyond every sliding window: positions only
+            c.skip(unseen)
     state.tokens.extend(prompt[start:].tolist())
     history = prompt
     if processors:
@@ -132,8 +134,9 @@ def speculative_decode(
         B = min(policy.next_block_size() if policy else block_size, max_tokens - produced)
         if B > 1:
             block = mx.concatenate([anchor, mx.repeat(mask, B - 1)])
-            draft_logits = drafter(target.embed(block)[None], context, draft_cache, head, ops)
-            proposals, q = strategy.propose(draft_logits)
+            proposals, q = drafter.propose(target.embed(block)[None], anchor, context, draft_cache, head, strategy)
+            proposals, q = proposals[0], None if q is None else q[0]
+            mx.async_eval(proposals)  # the draft runs while the verify graph is built
         else:
             proposals, q = mx.zeros((0,), mx.int32), mx.zeros((0, target.vocab_size))
         if profile:

@@ -142,12 +142,13 @@ class Target:
         return logits, hidden
 
     def prefill(
-        self, prompt: mx.array, cache: list, step_size: int = 2048
+        self, prompt: mx.array, cache: list, step_size: int = 2048, keep_rows: int | None = None
     ) -> tuple[mx.array, mx.array]:
         """Run the prompt through the target in chunks, as mlx_lm does.
 
-        Returns the last row's logits (1, V) and the hidden states of all prompt
-        rows (1, P, k*H), the drafter's first context.
+        Returns the last row's logits (1, V) and the hidden states of the prompt
+        rows (1, P, k*H), the drafter's first context; only the last ``keep_rows``
+        of them if given (a drafter whose layers all have sliding windows).
         """
         hidden = []
         rest = prompt
@@ -156,8 +157,11 @@ class Target:
             # Not undoable: recording a long chunk would hold its projections in memory.
             _, h = self._forward(chunk[None], cache)
             self.cache_policy.forget()
-            mx.eval(h, [c.state for c in cache])
             hidden.append(h)
+            if keep_rows is not None:
+                h = mx.concatenate(hidden, axis=1)
+                hidden = [h[:, max(h.shape[1] - keep_rows, 0) :]]
+            mx.eval(hidden, [c.state for c in cache])
         logits, h = self(rest[None], cache)
         hidden.append(h)
         return logits[:, -1], mx.concatenate(hidden, axis=1)

@@ -45,14 +45,17 @@ def reference_forward(drafter, block_emb, context_hidden, lm_head):
         groups = a.num_attention_heads // a.num_key_value_heads
         k, v = mx.repeat(k, groups, axis=0), mx.repeat(v, groups, axis=0)
         scores = (q @ k.transpose(0, 2, 1)) * a.head_dim**-0.5
-        window = a.sliding_window_of(i)
-        if window is not None:
-            visible = (kv_pos[None] <= q_pos[:, None]) & (q_pos[:, None] - kv_pos[None] < window)
-            scores = mx.where(visible, scores, -mx.inf)
+        window, causal = a.sliding_window_of(i), a.is_causal_layer(i)
+        # Context rows within the window of each block row's position; block rows up
+        # to the row itself in causal layers, all of them otherwise.
+        context_key = kv_pos[None] < n
+        sees_context = context_key & ((q_pos[:, None] - kv_pos[None] < window) if window else True)
+        sees_block = ~context_key & ((kv_pos[None] <= q_pos[:, None]) if causal else True)
+        scores = mx.where(sees_context | sees_block, scores, -mx.inf)
         out = (mx.softmax(scores, axis=-1) @ v).transpose(1, 0, 2).reshape(L, -1)
         h = h + attn.o_proj(out)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return lm_head(drafter.norm(h)[1:])
+    return lm_head(drafter.norm(h)[1:])[None]
 
 
 @pytest.fixture
