@@ -51,7 +51,7 @@ def _is_kind(value: Any, kind: str) -> bool:
 
 
 def _kind_name(kind: str) -> str:
-    return f"a list of {_KIND_NAMES[kind[5:-1]][2:]}s" if kind.startswith("list[") else _KIND_NAMES[kind]
+    return f"a list of {_KIND_NAMES[kind[5:-1]].split(' ', 1)[1]}s" if kind.startswith("list[") else _KIND_NAMES[kind]
 
 
 def config_error(key: str, problem: str, fix: str = "correct it in config.json") -> DFlashError:

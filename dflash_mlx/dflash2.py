@@ -37,8 +37,8 @@ class DFlash2Args(DrafterArgs):
         super().check(config)
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if getattr(self, key) < 1:
-                raise config_error(f"dflash_config.{key}", f"is {getattr(self, key)}: a DFlash2 drafter needs a "
-                                   "positive value", f"set dflash_config.{key} as the checkpoint was trained")
+                raise config_error(f"dflash_config.{key}", f"is {getattr(self, key) or 'missing'}: a DFlash2 drafter "
+                                   "needs a positive value", f"set dflash_config.{key} as the checkpoint was trained")
         if self.hidden_size % self.conv_group_size:
             raise config_error("dflash_config.conv_group_size", f"({self.conv_group_size}) does not divide "
                                f"hidden_size ({self.hidden_size})")

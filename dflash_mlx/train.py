@@ -100,6 +100,8 @@ def training_hidden(
     anchors: (S, N) anchor positions. Same math as ``Drafter.__call__`` run once
     per block with the context rows before the anchor.
     """
+    if drafter.architecture != Drafter.architecture:
+        raise DFlashError(f"training {drafter.architecture} drafters is not supported yet: train a DFlashDraftModel")
     if any(layer.self_attn.sliding_window for layer in drafter.layers):
         raise DFlashError("training drafters with sliding-window layers is not supported: drop layer_types")
     B = block_embeddings.shape[2]

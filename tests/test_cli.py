@@ -96,3 +96,15 @@ def test_bad_inputs(tiny_pair, tmp_path, capsys):
     missing_config = tmp_path / "no-config"
     missing_config.mkdir()
     expect("has no config.json", "--model", str(missing_config), "--draft", str(draft))
+
+
+def test_drafter_config_with_a_string_for_a_number(tiny_pair, tmp_path, capsys):
+    target, draft = tiny_pair("qwen3")
+    bad = tmp_path / "bad"
+    shutil.copytree(draft, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "num_attention_heads": "4"}))
+    code, _, err = run_cli(capsys, "--model", str(target), "--draft", str(bad))
+    assert code == 1
+    assert "num_attention_heads is '4', not an integer" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -153,3 +153,56 @@ def test_embedding_scale_multiplier_and_softcap(tmp_path, head):
     a = plain(2.0 * block, context, plain.make_cache(), head, OPS)
     b = scaled(block, context, scaled.make_cache(), head, OPS)
     np.testing.assert_allclose(np.array(b), np.array(mx.tanh(0.5 * a / 0.3) * 0.3), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.update(hidden_size="64"), "hidden_size is '64', not an integer"),
+        (lambda c: c.update(rms_norm_eps="1e-6"), "rms_norm_eps is '1e-6', not a number"),
+        (lambda c: c["dflash_config"].update(block_size=[16]), "dflash_config.block_size is [16], not an integer"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, "4"]), "target_layer_ids is [1, '4'], not a list of integers"),
+        (lambda c: c.update(layer_types=["full_attention"]), "layer_types has 1 entries for 2 layers"),
+        (lambda c: c.update(layer_types=["full_attention", "linear_attention"], sliding_window=4),
+         "unknown layer types ['linear_attention']"),
+        (lambda c: c.update(layer_types=["full_attention", "sliding_attention"]), "sliding_window is missing"),
+        (lambda c: c.update(is_causal="yes"), "is_causal is 'yes', not true or false or null"),
+        (lambda c: c.update(num_key_value_heads=3), "num_attention_heads (4) is not a multiple of"),
+        (lambda c: c.update(block_size=0), "block_size is 0, not a positive integer"),
+        (lambda c: c.update(architectures=["EagleDraftModel"]), "architectures is ['EagleDraftModel'], not one drafter"),
+        (lambda c: c.update(rope_parameters={"rope_type": "nope", "rope_theta": 1e4}), "rope_parameters is not a RoPE"),
+        (lambda c: c.update(architectures=["DFlash2DraftModel"]), "dflash_config.conv_kernel_size is missing"),
+        (lambda c: (c.update(architectures=["DFlash2DraftModel"]), c["dflash_config"].update(
+            conv_kernel_size=2, conv_group_size=24, selector_rank=4, selector_top_k=4)),
+         "conv_group_size (24) does not divide hidden_size (64)"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_key(tmp_path, edit, message):
+    from dflash_mlx.errors import DFlashError
+
+    src = save_drafter(tmp_path / "d", drafter_config(TARGETS["qwen3"]))
+    config = json.loads((src / "config.json").read_text())
+    edit(config)
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError) as e:
+        load_drafter(str(src))
+    assert message in str(e.value) and "fix:" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_layout_keys_are_read_where_each_layout_puts_them(tmp_path):
+    """2026: block_size in dflash_config, RoPE in rope_parameters; Gemma scalings at the top level
+    as well as in dflash_config (dflash_config wins), as the authors' PyTorch loader reads them."""
+    from tiny import layout_config
+
+    config = layout_config(drafter_config(TARGETS["qwen3"]), "2026")
+    assert "rope_theta" not in config and "block_size" not in config
+    config["dflash_config"]["block_size"] = 12
+    config.update(input_embedding_scale=3.0, output_multiplier=0.5)
+    config["dflash_config"]["output_multiplier"] = 0.25
+    a = load_drafter(str(save_drafter(tmp_path / "d", config))).args
+    assert a.block_size == 12 and a.rope_theta == TARGETS["qwen3"]["rope_theta"]
+    assert a.rope_scaling["rope_type"] == "yarn" and a.is_causal is True
+    assert a.input_embedding_scale == 3.0 and a.output_multiplier == 0.25
+    assert [a.is_causal_layer(i) for i in range(2)] == [True, True]
+    a.is_causal = None  # the official default: causal in sliding-window layers only
+    assert [a.is_causal_layer(i) for i in range(2)] == [True, False]
