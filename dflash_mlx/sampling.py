@@ -7,6 +7,10 @@ Three strategies, all lossless:
 - ``Match``: any opaque mlx_lm ``sampler``; the target row is sampled with it and
   an argmax proposal is accepted only if it equals that sample (exact for any
   sampler, but accepts less than ``Rejection``).
+
+``propose`` picks from any rows of scores: a DFlash drafter's logits, or one
+position's candidate scores at a time for the DFlash2 selector, which places the
+returned distribution back in the vocabulary (Drafter.propose).
 """
 
 from __future__ import annotations

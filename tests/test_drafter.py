@@ -206,3 +206,19 @@ def test_layout_keys_are_read_where_each_layout_puts_them(tmp_path):
     assert [a.is_causal_layer(i) for i in range(2)] == [True, True]
     a.is_causal = None  # the official default: causal in sliding-window layers only
     assert [a.is_causal_layer(i) for i in range(2)] == [True, False]
+
+
+def test_sliding_window_cache_keeps_the_last_rows_in_position_order():
+    from dflash_mlx.draft_cache import SlidingWindowCache
+
+    cache = SlidingWindowCache(window=5)  # holds the last 4 rows
+    rows = lambda a, b: mx.arange(a, b, dtype=mx.float32).reshape(1, 1, -1, 1)  # noqa: E731
+    pos = 0
+    for n in (3, 1, 1, 2, 1):  # context rows per step (1: a step that accepted nothing), then a 3-row block
+        k, _ = cache.update_and_fetch(rows(pos, pos + n + 3), rows(pos, pos + n + 3))
+        assert k[0, 0, :, 0].tolist() == list(range(max(0, pos - 4), pos + n + 3))  # position order, always
+        cache.trim(3)
+        pos += n
+        assert cache.offset == pos and cache.keys[0, 0, :, 0].tolist() == list(range(max(0, pos - 4), pos))
+    cache.skip(6)  # rows no block row can see: positions only
+    assert cache.offset == pos + 6 and cache.keys is None

@@ -138,3 +138,43 @@ def test_train_refuses_dflash2(released_drafters):
     drafter = load_drafter(str(released_drafters[2]["dflash2"]))
     with pytest.raises(DFlashError, match="training DFlash2DraftModel drafters is not supported"):
         training_hidden(drafter, mx.zeros((1, 4, 6 * 64)), mx.zeros((1, 1, 8, 64)), mx.array([[2]]))
+
+
+def test_draft_window_and_prefix_reuse_with_sliding_layers(released_drafters):
+    """--draft-window bounds the full-attention layers (sliding ones keep their window) and a reused
+    conversation cache trims both kinds: still mlx_lm's tokens."""
+    from dflash_mlx.decode import DecodeCache
+
+    target_dir, tokenizer, folders, answers = released_drafters
+    pair = pair_of(target_dir, folders["2026"])
+    text = LAYOUT_PROMPTS[0]
+    cache = DecodeCache.new(pair.target, pair.drafter, (2, 10))
+    first = [r.token for r in stream_generate(pair, tokenizer, text, 20, block_size=4, prompt_cache=cache)]
+    assert first == answers[text][: len(first)]
+    follow_up = tokenizer.encode(text) + answers[text][:30]
+    reference = mlx_lm_greedy(pair, follow_up, 12)
+    again = [r.token for r in stream_generate(pair, tokenizer, follow_up, 12, block_size=4, prompt_cache=cache)]
+    assert again == reference[: len(again)] and len(again) >= 6
+
+
+def mlx_lm_greedy(pair, prompt, n):
+    from mlx_lm.generate import generate_step
+
+    return [int(t) for t, _ in generate_step(mx.array(prompt), pair.target.model, max_tokens=n)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_save_drafter_round_trips_every_layout(released_drafters, layout, tmp_path):
+    from dflash_mlx.drafter import save_drafter
+
+    folder = released_drafters[2][layout]
+    loaded = load_drafter(str(folder))
+    save_drafter(loaded, tmp_path / "saved")
+    again = load_drafter(str(tmp_path / "saved"))
+    assert type(again) is type(loaded) and vars(again.args) == vars(loaded.args)
+    mx.random.seed(0)
+    context, block = mx.random.normal((1, 12, 6 * 64)), mx.random.normal((1, 4, 64))
+    head = mx.random.normal((100, 64))
+    a = loaded(block, context, loaded.make_cache(), lambda h: h @ head.T, OPS)
+    b = again(block, context, again.make_cache(), lambda h: h @ head.T, OPS)
+    assert mx.array_equal(a, b).item()

@@ -167,3 +167,27 @@ def test_ring_order_is_the_only_difference(released_drafters):
             assert np.abs(artefact - got).max() > 1e-3
         else:
             np.testing.assert_allclose(artefact, got, atol=1e-4, rtol=1e-4)
+
+
+def test_gemma4_block_input_equals_official():
+    """Gemma 4 targets scale their embeddings by sqrt(hidden_size); the drafter's block input is
+    that scaled embedding times input_embedding_scale, in the official code and in ours.
+    (For gemma/gemma2/gemma3 targets, where mlx_lm scales inline and exposes no embed_scale, the
+    official MLX code leaves the sqrt(hidden_size) out; we keep it: it is what the target's first
+    layer sees.)"""
+    from mlx_lm.utils import _get_classes
+
+    config = dict(model_type="gemma4_text", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=2, head_dim=32, global_head_dim=32, vocab_size=100,
+                  vocab_size_per_layer_input=100, num_key_value_heads=1, num_kv_shared_layers=0,
+                  hidden_size_per_layer_input=16)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    theirs = official.DFlashDraftModel(official.DFlashConfig(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        intermediate_size=64, vocab_size=100, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=128,
+        block_size=4, target_layer_ids=(0,), num_target_layers=2, input_embedding_scale=1.5)).bind(model)
+    tokens = mx.array([[1, 5, 7]])
+    ours = Target(model, [0]).embed(tokens) * 1.5
+    np.testing.assert_allclose(np.array(ours), np.array(theirs.embed_tokens(tokens) * theirs.embed_scale), rtol=1e-6)
+    assert not np.allclose(np.array(ours), 1.5 * np.array(theirs.embed_tokens(tokens)))  # the scale is really there
