@@ -337,7 +337,7 @@ class Drafter(nn.Module):
         logits = lm_head(hidden)
         if a.output_multiplier != 1:
             logits = logits * a.output_multiplier
-        if a.final_logit_softcapping:
+        if a.final_logit_softcapping is not None and a.final_logit_softcapping > 0:  # 0 or less: none
             logits = mx.tanh(logits / a.final_logit_softcapping) * a.final_logit_softcapping
         return self.full_vocab(logits)
 

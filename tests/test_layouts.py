@@ -178,3 +178,42 @@ def test_save_drafter_round_trips_every_layout(released_drafters, layout, tmp_pa
     a = loaded(block, context, loaded.make_cache(), lambda h: h @ head.T, OPS)
     b = again(block, context, again.make_cache(), lambda h: h @ head.T, OPS)
     assert mx.array_equal(a, b).item()
+
+
+def test_dflash2_serves_and_benchmarks(released_drafters, tmp_path, capsys):
+    import argparse
+    import http.client
+    import json
+    import threading
+
+    from dflash_mlx.server import make_server
+
+    target_dir, tokenizer, folders, _ = released_drafters
+    out = tmp_path / "bench.json"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in LAYOUT_PROMPTS))
+    main(["benchmark", "--model", str(target_dir), "--draft", str(folders["dflash2"]), "--dataset", str(prompts),
+          "--num-prompts", "2", "--max-tokens", "16", "--block-size", "4", "--output", str(out)])
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["match"] is True and row["tau"] > 1
+    args = argparse.Namespace(model=str(target_dir), draft=str(folders["dflash2"]), host="127.0.0.1", port=0,
+                              max_tokens=64, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_prompt_tokens=400,
+                              block_size="auto", draft_window=None)
+    server = make_server(args)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": LAYOUT_PROMPTS[0], "max_tokens": 12}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        body = json.loads(response.read().decode())
+        assert response.status == 200, body
+        pair = pair_of(target_dir, folders["dflash2"])
+        expected = "".join(r.text for r in stream_generate(pair, tokenizer, LAYOUT_PROMPTS[0], 12))
+        assert body["choices"][0]["text"] == expected
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.app.worker.stop()
+        server.app.worker.join(timeout=60)
