@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -78,6 +79,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=3, help="GSM8K questions")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--rounds", type=int, default=2, help="Passes over the prompts per block size")
     p.add_argument("--json", type=Path, default=None, help="Write the results here too")
     args = p.parse_args()
     try:
@@ -101,33 +103,38 @@ def main() -> None:
             run_ours(pair, tokenizer, prompts[0], 4, 8)  # warm-up, both
             run_official(official, their_model, draft, tokenizer, prompts[0], 4, 8)
             for block in args.block_sizes:
-                total = {"ours": [0, 0.0, 0], "official": [0, 0.0, 0]}
-                for i, prompt in enumerate(prompts):
-                    runs = [("ours", lambda: run_ours(pair, tokenizer, prompt, block, args.max_tokens)),
-                            ("official", lambda: run_official(official, their_model, draft, tokenizer, prompt,
-                                                              block, args.max_tokens))]
-                    outputs = {}
-                    for name, run in runs if i % 2 == 0 else runs[::-1]:  # alternate who goes first
-                        tokens, seconds, steps = run()
-                        outputs[name] = tokens
-                        total[name][0] += len(tokens) - 1
-                        total[name][1] += seconds
-                        total[name][2] += steps
-                    if outputs["ours"] != outputs["official"][: len(outputs["ours"])]:
-                        print(f"  warning: outputs differ ({arch}, block {block}, prompt {i})")
+                runs = {"ours": [], "official": []}  # (tokens after the first, seconds, steps) per run
+                for r in range(args.rounds):
+                    for i, prompt in enumerate(prompts):
+                        systems = [("ours", lambda: run_ours(pair, tokenizer, prompt, block, args.max_tokens)),
+                                   ("official", lambda: run_official(official, their_model, draft, tokenizer,
+                                                                     prompt, block, args.max_tokens))]
+                        outputs = {}
+                        for name, run in systems if (r + i) % 2 == 0 else systems[::-1]:  # alternate who goes first
+                            tokens, seconds, steps = run()
+                            outputs[name] = tokens
+                            runs[name].append((len(tokens) - 1, seconds, steps))
+                        if outputs["ours"] != outputs["official"][: len(outputs["ours"])]:
+                            print(f"  warning: outputs differ ({arch}, block {block}, prompt {i})")
                 row = {"drafter": arch, "block": block}
-                for name, (n, seconds, steps) in total.items():
-                    row[name] = {"tok_s": n / seconds, "tau": n / max(steps, 1),
-                                 "ms_per_step": 1e3 * seconds / max(steps, 1)}
+                for name, results in runs.items():
+                    n, seconds, steps = (sum(x) for x in zip(*results))
+                    row[name] = {"tok_s": n / seconds, "tau": n / steps, "ms_per_step": 1e3 * seconds / steps,
+                                 "median_ms_per_step": 1e3 * statistics.median(s / k for _, s, k in results)}
                 row["ratio"] = row["ours"]["tok_s"] / row["official"]["tok_s"]
+                # Per-run ratios of paired runs (same prompt, same round): robust to a busy spell.
+                row["median_paired_ratio"] = statistics.median(
+                    (a[0] / a[1]) / (b[0] / b[1]) for a, b in zip(runs["ours"], runs["official"]))
                 rows.append(row)
                 print(f"{arch:8} block {block:2}: ours {row['ours']['tok_s']:6.1f} tok/s "
                       f"(tau {row['ours']['tau']:.2f}, {row['ours']['ms_per_step']:.1f} ms/step)  official "
                       f"{row['official']['tok_s']:6.1f} tok/s (tau {row['official']['tau']:.2f}, "
-                      f"{row['official']['ms_per_step']:.1f} ms/step)  ratio {row['ratio']:.2f}", flush=True)
+                      f"{row['official']['ms_per_step']:.1f} ms/step)  ratio {row['ratio']:.2f} "
+                      f"(median of paired runs {row['median_paired_ratio']:.2f})", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"blas": dflash_mlx.BLAS, "max_tokens": args.max_tokens,
-                                         "prompts": args.num_prompts, "rows": rows}, indent=2) + "\n")
+                                         "prompts": args.num_prompts, "rounds": args.rounds, "rows": rows},
+                                        indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def speculative_decode(
         mx.eval(tokens, n)
         n = n.item()
         target.rollback(cache, B - 1 - n)
-        committed = tokens[: n + 1].tolist()
+        committed = tokens.tolist()[: n + 1]  # read once: slicing on the device would cost a second sync
         state.tokens += [last] + committed[:n]
         last = committed[-1]
         # Without a draft this step, the drafter has not consumed the pending context yet.
