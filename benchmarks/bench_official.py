@@ -51,7 +51,7 @@ def released_drafters(draft_dir: str, root: Path) -> dict[str, Path]:
                                         "selector_rank": 256, "selector_top_k": 16}}
     dflash2 = with_layers_of(make_drafter(dflash2_config), dflash)
     selector = dflash2.candidate_selector
-    selector.hidden_projection.weight = selector.hidden_projection.weight * 0.1  # rerank some, not most
+    selector.hidden_projection.weight = selector.hidden_projection.weight * 0.03  # rerank some picks, not most
     return {"DFlash": save_released(root / "dflash", dflash, config),
             "DFlash2": save_released(root / "dflash2", dflash2, dflash2_config)}
 

@@ -147,8 +147,9 @@ class Target:
         """Run the prompt through the target in chunks, as mlx_lm does.
 
         Returns the last row's logits (1, V) and the hidden states of the prompt
-        rows (1, P, k*H), the drafter's first context; only the last ``keep_rows``
-        of them if given (a drafter whose layers all have sliding windows).
+        rows (1, P, k*H), the drafter's first context. With ``keep_rows`` (a
+        drafter whose layers all have sliding windows never sees further back)
+        earlier rows are dropped as the chunks go: at most keep_rows + 1 remain.
         """
         hidden = []
         rest = prompt
