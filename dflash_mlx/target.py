@@ -130,8 +130,11 @@ class Target:
     def __call__(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         """Logits (1, L, V) and captured hidden states (1, L, k*H) for ``tokens`` (1, L).
 
-        ``rollback`` can then drop any tail of these L rows.
+        ``rollback`` can then drop any tail of these L rows. Without a cache (a training
+        pass over whole sequences) there is nothing to roll back.
         """
+        if cache is None:
+            return self._forward(tokens, cache)
         with self.cache_policy.undoable(cache, tokens.shape[1]):
             return self._forward(tokens, cache)
 
