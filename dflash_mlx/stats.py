@@ -16,6 +16,18 @@ class SpeculativeStats:
     acceptance_lengths: list[int] = field(default_factory=list)
     block_sizes: list[int] = field(default_factory=list)  # verified rows per step; 1 = plain decoding
     adaptive: bool = False
+    copy_proposals: bool = True  # whether copies from earlier text could be proposed
+    copied: int = 0  # accepted proposals that were copied
+    drafted: int = 0  # accepted proposals the drafter made
+    copy_steps: int = 0  # steps whose block held copied tokens
+
+    def record(self, step) -> None:
+        """One draft-verify step (a ``decode.Step``)."""
+        self.acceptance_lengths.append(len(step.tokens))
+        self.block_sizes.append(step.block_size)
+        self.copied += step.copied
+        self.drafted += step.accepted - step.copied
+        self.copy_steps += step.copies > 0
 
     @property
     def speculative(self) -> bool:
@@ -34,6 +46,11 @@ class SpeculativeStats:
     def tau(self) -> float:
         n = self.acceptance_lengths
         return sum(n) / len(n) if n else 0.0
+
+    def tau_by_source(self) -> dict[str, float]:
+        """tau split: the target's own token per step, and accepted drafts and copies per step."""
+        steps = len(self.acceptance_lengths) or 1
+        return {"target": 1.0 if self.acceptance_lengths else 0.0, "drafter": self.drafted / steps, "copy": self.copied / steps}
 
     def histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.acceptance_lengths).items()))
@@ -62,6 +79,8 @@ def format_stats(response) -> str:
             f"Acceptance: tau {s.tau:.2f} tokens/step over {len(s.acceptance_lengths)} steps "
             f"({s.describe()}; kernels: {s.kernels})",
             *(f"Kernel fallback to the MLX twin: {reason}" for reason in sorted(s.kernel_fallbacks)),
+            f"Accepted proposals: {s.drafted} drafted, {s.copied} copied"
+            + (f" ({s.copy_steps} steps held copies)" if s.copy_proposals else " (copy proposals off)"),
             f"Acceptance histogram (tokens/step:count): {hist}",
             f"Peak memory: {response.peak_memory:.3f} GB",
         ]
