@@ -114,6 +114,8 @@ class DatasetResult:
     baseline_seconds: float = 0.0
     dflash_seconds: float = 0.0
     acceptance_lengths: list[int] = field(default_factory=list)
+    drafted: int = 0  # accepted proposals by source
+    copied: int = 0
     mismatches: list[int] = field(default_factory=list)  # prompt indices whose greedy output differed
     block_sizes: list[int] = field(default_factory=list)  # verified rows per step (varies with --block-size auto)
     draft_seconds: list[float] = field(default_factory=list)
@@ -131,6 +133,9 @@ class DatasetResult:
             "dflash_tps": round(dflash, 2),
             "speedup": round(dflash / base, 3) if base else None,
             "tau": round(sum(n) / len(n), 3) if n else None,
+            # tau = 1 (the target's own token) + accepted drafts per step + accepted copies per step
+            "tau_drafter": round(self.drafted / len(n), 3) if n else None,
+            "tau_copy": round(self.copied / len(n), 3) if n else None,
             "histogram": dict(sorted(Counter(n).items())),
             "block_sizes": dict(sorted(Counter(self.block_sizes).items())),
             "draft_ms_per_step": round(1e3 * sum(self.draft_seconds) / steps, 2) if steps else None,
@@ -159,8 +164,8 @@ def _profile(model, prompt: list[int], args: argparse.Namespace, result: Dataset
     ops = kernels.get_ops()
     strategy = make_strategy(SamplingParams(args.temp, 1.0, 0, 0.0), None, ops)
     block = make_policy(model) if args.block_size == "auto" else args.block_size or model.block_size
-    steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy,
-                               block_size=block, max_tokens=args.max_tokens, profile=True)
+    steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy, block_size=block,
+                               max_tokens=args.max_tokens, profile=True, copy_proposals=args.copy_proposals)
     for i, step in enumerate(steps):
         if i:  # step 0 is the prefill
             result.draft_seconds.append(step.draft_seconds)
@@ -185,7 +190,8 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
 
         def dflash():
             mx.random.seed(args.seed)
-            return _timed(stream_generate(model, tokenizer, prompt, args.max_tokens, temp=args.temp, block_size=args.block_size))
+            return _timed(stream_generate(model, tokenizer, prompt, args.max_tokens, temp=args.temp, block_size=args.block_size,
+                                          copy_proposals=args.copy_proposals))
 
         if i % 2 == 0:
             base, (spec, last) = baseline(), dflash()
@@ -196,6 +202,8 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
         result.dflash_tokens += len(spec.tokens) - 1
         result.dflash_seconds += spec.seconds
         result.acceptance_lengths += last.stats.acceptance_lengths
+        result.drafted += last.stats.drafted
+        result.copied += last.stats.copied
         result.block_sizes += last.stats.block_sizes
         if base.tokens != spec.tokens:
             result.mismatches.append(i)
@@ -207,8 +215,8 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'dataset':<12}{'n':>4}{'mlx_lm tok/s':>14}{'DFlash tok/s':>14}{'speedup':>9}{'tau':>7}{'block':>7}"
-            f"{'draft ms':>10}{'verify ms':>11}  match  histogram (tokens/step:count)")
+    head = (f"{'dataset':<12}{'n':>4}{'mlx_lm tok/s':>14}{'DFlash tok/s':>14}{'speedup':>9}{'tau':>7}{'=1+draft':>9}"
+            f"{'+copy':>7}{'block':>7}{'draft ms':>10}{'verify ms':>11}  match  histogram (tokens/step:count)")
     lines = [head, "-" * len(head)]
     for r in rows:
         hist = " ".join(f"{k}:{v}" for k, v in r["histogram"].items())
@@ -217,7 +225,8 @@ def format_table(rows: list[dict]) -> str:
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         lines.append(
             f"{r['dataset']:<12}{r['num_prompts']:>4}{r['baseline_tps']:>14.2f}{r['dflash_tps']:>14.2f}"
-            f"{fmt(r['speedup'], '.2f'):>8}x{fmt(r['tau'], '.2f'):>7}{fmt(block, '.1f'):>7}{fmt(r['draft_ms_per_step'], '.1f'):>10}"
+            f"{fmt(r['speedup'], '.2f'):>8}x{fmt(r['tau'], '.2f'):>7}{fmt(r['tau_drafter'], '.2f'):>9}{fmt(r['tau_copy'], '.2f'):>7}"
+            f"{fmt(block, '.1f'):>7}{fmt(r['draft_ms_per_step'], '.1f'):>10}"
             f"{fmt(r['verify_ms_per_step'], '.1f'):>11}  {str(r['match']):<6} {hist}"
         )
     return "\n".join(lines)
@@ -230,6 +239,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="Tokens to generate per prompt")
     p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="Draft block size (default: the drafter's); 'auto' adapts it per step (see `generate`)")
+    p.add_argument("--no-copy-proposals", dest="copy_proposals", action="store_false",
+                   help="Propose drafted tokens only (see `generate`)")
     p.add_argument("--temp", type=finite_float, default=0.0, help="Sampling temperature (0: greedy, checks match)")
     p.add_argument("--seed", type=int, default=0, help="Sampling seed, reset before every generation")
     p.add_argument("--profile-prompts", type=int, default=1, help="Prompts per dataset with a profiled draft/verify pass")

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> None:
         block_size=args.block_size,
         stop_tokens=stop_tokens,
         draft_window=args.draft_window,
+        copy_proposals=args.copy_proposals,
     ):
         print(response.text, end="", flush=True)
     print()

@@ -151,6 +151,8 @@ def speculative_decode(
             proposals, q = mx.zeros((0,), mx.int32), None
         if profile:
             mx.eval(proposals)
+        else:  # the drafter computes while the host builds the verify graph
+            mx.async_eval(proposals)
         drafted_at = time.perf_counter()
         block = mx.concatenate([anchor, proposals])
         logits, hidden = target(block[None], cache)

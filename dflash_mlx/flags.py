@@ -68,3 +68,5 @@ def add_block_arguments(p: argparse.ArgumentParser) -> None:
                         "from the measured verify cost and the running acceptance")
     p.add_argument("--draft-window", type=draft_window_arg, default=None, metavar="KEEP:RECENT",
                    help="Bound the drafter's context to the first KEEP and last RECENT tokens (long prompts)")
+    p.add_argument("--no-copy-proposals", dest="copy_proposals", action="store_false",
+                   help="Propose drafted tokens only, never tokens copied from earlier in the prompt or output")
