@@ -12,7 +12,8 @@ import pytest
 
 import dflash_mlx
 from dflash_mlx import stream_generate
-from dflash_mlx.server import StopMatcher, make_server
+from dflash_mlx.protocol import StopMatcher
+from dflash_mlx.server import make_server
 
 NO_EOS = {"2": -100.0}  # keeps the tiny model talking: long, predictable outputs
 
