@@ -73,7 +73,7 @@ def test_bad_inputs(tiny_pair, tmp_path, capsys):
     expect("block size 40 is out of range", *model, "--draft", str(draft), "--block-size", "40")
     expect("block size 0 is out of range", *model, "--draft", str(draft), "--block-size", "0")
     expect("the prompt is empty", *model, "--draft", str(draft), "--prompt", "", "--ignore-chat-template")
-    expect("bad sampling settings", *model, "--draft", str(draft), "--temp", "-1")
+    expect("--temp -1.0: temperature must be in [0, 100]", *model, "--draft", str(draft), "--temp", "-1")
 
     no_keys = tmp_path / "no-keys"
     shutil.copytree(draft, no_keys)
