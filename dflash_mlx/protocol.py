@@ -45,8 +45,7 @@ class RequestError(Exception):
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
     """The one error shape every failure answers with (OpenAI's)."""
-    kind = {404: "not_found_error", 413: "invalid_request_error"}.get(status)
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    kind = "not_found_error" if status == 404 else "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -97,9 +96,10 @@ def _check_text(text: str, path: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
+        field_name = path.split(".")[0].split("[")[0]
         raise RequestError(
             400, f"{path} holds a lone UTF-16 surrogate ({text[e.start]!r} at {e.start}): send valid Unicode",
-            path.split(".")[0].split("[")[0],
+            field_name if field_name in FIELDS else None,
         ) from None
 
 
@@ -114,7 +114,8 @@ class Field:
     lower bound exclusive; ``tiny`` is the smallest positive value allowed (a
     smaller one underflows in float32). ``only`` lists the only values served,
     with ``why`` the others are refused. ``route`` limits a field to "chat" or
-    "text"; ``check`` converts or checks what the type alone cannot.
+    "text" (where ``required`` makes it so); ``check`` converts or checks what
+    the type alone cannot.
     """
 
     name: str
@@ -127,6 +128,7 @@ class Field:
     only: tuple = ()
     why: str = ""
     route: str = ""
+    required: bool = False
     check: Callable[[Any, "ServerInfo"], Any] | None = None
 
 
@@ -137,16 +139,16 @@ def _stop(value: Any, info: "ServerInfo") -> list[str]:
     return stops
 
 
-def _stream_options(value: dict, info: "ServerInfo") -> bool:
+def _stream_options(value: dict, info: "ServerInfo") -> dict:
     if set(value) - {"include_usage"} or not isinstance(value.get("include_usage", False), bool):
         raise RequestError(400, 'stream_options must be {"include_usage": true or false}', "stream_options")
-    return value.get("include_usage", False)
+    return value
 
 
 def _logit_bias(value: dict, info: "ServerInfo") -> dict[int, float]:
     bias = {}
     for key, item in value.items():
-        token = int(key) if key.strip().isdigit() else -1
+        token = int(key) if key.isascii() and key.isdigit() and len(key) < 12 else -1
         if not 0 <= token < info.vocab_size:
             raise RequestError(400, f"logit_bias key {key!r} is not a token id in [0, {info.vocab_size})", "logit_bias")
         if isinstance(item, bool) or not isinstance(item, (int, float)) or not -100 <= item <= 100:
@@ -181,7 +183,8 @@ def _template_kwargs(value: dict, info: "ServerInfo") -> dict:
         )
     reserved = sorted(set(value) & TEMPLATE_ARGUMENTS)
     if reserved:
-        raise RequestError(400, f"chat_template_kwargs.{reserved[0]} is set by the server, not by a request", "chat_template_kwargs")
+        message = f"chat_template_kwargs.{reserved[0]} is set by the server, not by a request"
+        raise RequestError(400, message, "chat_template_kwargs")
     return value
 
 
@@ -194,8 +197,8 @@ TEMPLATE_ARGUMENTS = {
 NUMBER = (int, float)
 FIELDS = {f.name: f for f in [
     Field("model", str, "default_model"),
-    Field("messages", list, lo=1, hi=MAX_MESSAGES, route="chat"),
-    Field("prompt", (str, list), route="text"),
+    Field("messages", list, lo=1, hi=MAX_MESSAGES, route="chat", required=True),
+    Field("prompt", (str, list), route="text", required=True),
     Field("max_tokens", int, lo=1, check=_max_tokens),
     Field("max_completion_tokens", int, lo=1, check=_max_tokens),
     Field("temperature", NUMBER, 0.0, lo=0, hi=100, tiny=1e-6),
@@ -246,19 +249,26 @@ def _type_name(t: type | tuple[type, ...]) -> str:
     return "a number" if types == NUMBER else " or ".join(names[x] for x in types)
 
 
+def _bounds(f: Field) -> str:
+    if f.lo is None:
+        return f"at most {f.hi}"
+    if f.hi is None:
+        return f"above {f.lo}" if f.above else f"at least {f.lo}"
+    return f"in {'(' if f.above else '['}{f.lo}, {f.hi}]"
+
+
 def check_field(f: Field, value: Any, info: "ServerInfo") -> Any:
+    """One field's value checked against its row (``info`` may be None for command-line settings)."""
     types = f.type if isinstance(f.type, tuple) else (f.type,)
     # bool is an int in Python, not in JSON
     if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         raise RequestError(400, f"{f.name} must be {_type_name(f.type)}", f.name)
     if f.only and value not in f.only:
-        raise RequestError(400, f"{f.name}={json.dumps(value)} is not supported: {f.why}", f.name)
-    size = len(value) if isinstance(value, (list, dict, str)) else value
-    kind = "entries" if isinstance(value, (list, dict, str)) else ""
+        raise RequestError(400, f"{f.name}={json.dumps(value)[:80]} is not supported: {f.why}", f.name)
+    sized = isinstance(value, (list, dict, str))
+    size = len(value) if sized else value
     if (f.lo is not None and (size < f.lo or (f.above and size == f.lo))) or (f.hi is not None and size > f.hi):
-        low = "" if f.lo is None else f"({f.lo}" if f.above else f"[{f.lo}"
-        span = f"{low}, {f.hi}]" if f.hi is not None else f">= {f.lo}"
-        raise RequestError(400, f"{f.name} must be in {span}{' ' + kind if kind else ''}, got {size}", f.name)
+        raise RequestError(400, f"{f.name} must be {_bounds(f)}{' entries' if sized else ''}, got {size}", f.name)
     if f.tiny is not None and 0 < value < f.tiny:
         raise RequestError(400, f"{f.name}={value} is too small to compute in float32: use 0 or at least {f.tiny}", f.name)
     return f.check(value, info) if f.check else value
@@ -292,6 +302,8 @@ def read_fields(body: Any, kind: str, info: "ServerInfo") -> dict[str, Any]:
     values = {}
     for name, f in FIELDS.items():
         if f.route in ("", kind):
+            if f.required and name not in body:
+                raise RequestError(400, f"{name} is required", name)
             values[name] = check_field(f, body[name], info) if name in body else info.defaults.get(name, f.default)
     return values
 

@@ -73,7 +73,7 @@ def _messages(messages: list) -> list[dict]:
                 continue
             if key == "tool_calls" and m["role"] == "assistant":
                 message[key] = _tool_calls(value, where)
-            elif key in ("name", "tool_call_id", "reasoning") and isinstance(value, str):
+            elif key in ("name", "tool_call_id", "reasoning", "reasoning_content") and isinstance(value, str):
                 message[key] = value
             else:
                 raise RequestError(400, f"{where}.{key} is not supported on a {m['role']} message", "messages")
@@ -90,7 +90,7 @@ def _tools(tools: list, tokenizer: Any) -> list[dict] | None:
         )
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        if not isinstance(function, dict) or tool.get("type") != "function" or not isinstance(function.get("name"), str):
             raise RequestError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}', "tools")
         if not isinstance(function.get("parameters", {}), dict) or not isinstance(function.get("description", ""), str):
             raise RequestError(400, f"tools[{i}].function.parameters must be an object and description a string", "tools")
@@ -200,4 +200,5 @@ def parse_request(body: Any, kind: str, info: ServerInfo) -> Request:
         values["xtc_probability"], values["xtc_threshold"], _logits_arguments(values), values["seed"],
         None if values["num_draft_tokens"] is None else values["num_draft_tokens"] + 1,
     )
-    return Request(kind, values["model"], values["stream"], values["stream_options"], values["stop"], tools, state, params)
+    include_usage = values["stream_options"].get("include_usage", False)
+    return Request(kind, values["model"], values["stream"], include_usage, values["stop"], tools, state, params)

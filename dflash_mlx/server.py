@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DFlashError, one_line
-from .flags import add_block_arguments, non_negative_int, port_arg, positive_int
+from .flags import add_block_arguments, add_sampling_arguments, port_arg, positive_int
 from .protocol import ServerInfo, check_flags
 from .transport import App, Server
 from .worker import Metrics, Worker
@@ -51,10 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", type=chat_template_arg, default=None,
                    help="Chat template (Jinja source, or a file holding it) replacing the model's")
     p.add_argument("--max-tokens", type=positive_int, default=512, help="Default max_tokens of a request")
-    p.add_argument("--temp", type=float, default=0.0, help="Default sampling temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="Default sampling top-p")
-    p.add_argument("--top-k", type=non_negative_int, default=0, help="Default sampling top-k")
-    p.add_argument("--min-p", type=float, default=0.0, help="Default sampling min-p")
+    add_sampling_arguments(p, "Default sampling temperature of a request (0: greedy)")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="Refuse longer prompts (default: the target's max_position_embeddings)")
     add_block_arguments(p)
@@ -74,7 +71,8 @@ def make_server(args: argparse.Namespace) -> Server:
     try:  # before loading: a busy port is reported at once, and no MLX thread is left behind
         server = Server((args.host, args.port), app)
     except OSError as e:
-        raise DFlashError(f"cannot listen on {args.host}:{args.port}: {e.strerror or one_line(e)}; fix: pick another --host or --port") from None
+        reason = e.strerror or one_line(e)
+        raise DFlashError(f"cannot listen on {args.host}:{args.port}: {reason}; fix: pick another --host or --port") from None
     worker.start()
     try:
         worker.ready.wait()
@@ -126,8 +124,7 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _on_signal)
+    previous = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     server = thread = None
     try:
         server = make_server(args)
@@ -145,3 +142,6 @@ def run(args: argparse.Namespace) -> None:
             close(server)
         if e.signum == signal.SIGINT:
             raise KeyboardInterrupt from None  # the CLI exits 130
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -124,14 +124,13 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(code, error_body(message or HTTPStatus(code).phrase, code))
 
     def _start_stream(self) -> None:
+        self.chunked = self.request_version >= "HTTP/1.1"
+        if not self.chunked:  # an HTTP/1.0 client reads to the end of the connection
+            self.close_connection = True
         self._head(200, "text/event-stream", None)
         self.send_header("Cache-Control", "no-cache")
-        self.chunked = self.request_version >= "HTTP/1.1"
         if self.chunked:
             self.send_header("Transfer-Encoding", "chunked")
-        else:  # an HTTP/1.0 client reads to the end of the connection
-            self.close_connection = True
-            self.send_header("Connection", "close")
         self.end_headers()
 
     def _event(self, payload: dict | str) -> None:
@@ -241,6 +240,10 @@ class Handler(BaseHTTPRequestHandler):
             return
         except ClientGone:
             return
+        except Exception as e:  # a bug in the checks must cost this request, not the connection's silence
+            logging.exception("could not read a request")
+            self._send_json(500, error_body(f"the server could not read this request: {one_line(e)}", 500))
+            return
         job, reply = Job(request.params), Reply(request, self.app.info.tokenizer, self.app.fingerprint)
         try:
             self.app.worker.submit(job)
@@ -254,6 +257,10 @@ class Handler(BaseHTTPRequestHandler):
             self._answer(request, job, reply)
         except (ConnectionError, TimeoutError):  # the client went away while we wrote
             self._cancel(job)
+            self.close_connection = True
+        except Exception:  # a bug here must cost this request: stop its generation, drop its connection
+            logging.exception("could not answer a request")
+            job.cancel()
             self.close_connection = True
         finally:
             self.app.leave()

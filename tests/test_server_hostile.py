@@ -138,6 +138,7 @@ BODIES = [
     ("array", b"[1, 2]", 400, None),
     ("string", b'"hello"', 400, None),
     ("null", b"null", 400, None),
+    ("no-messages", b'{"max_tokens": 3}', 400, "messages"),
 ]
 FIELD_PROBES = [
     ("seed-too-big", {"seed": 2**63}, 400, "seed"),
@@ -181,10 +182,13 @@ FIELD_PROBES = [
     ("logit-bias-key", {"logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ("logit-bias-out-of-vocab", {"logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ("logit-bias-negative-id", {"logit_bias": {"-1": 1}}, 400, "logit_bias"),
+    ("logit-bias-long-key", {"logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
+    ("logit-bias-superscript-key", {"logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
     ("logit-bias-value", {"logit_bias": {"5": 1000}}, 400, "logit_bias"),
     ("logit-bias-string", {"logit_bias": {"5": "x"}}, 400, "logit_bias"),
     ("logit-bias-list", {"logit_bias": [1, 2]}, 400, "logit_bias"),
-    ("template-from-request", {"chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"}}, 400, "chat_template_kwargs"),
+    ("template-from-request", {"chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"}},
+     400, "chat_template_kwargs"),
     ("template-argument", {"chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
     ("template-kwargs-string", {"chat_template_kwargs": "x"}, 400, "chat_template_kwargs"),
     ("model-not-string", {"model": 5}, 400, "model"),
@@ -200,7 +204,8 @@ FIELD_PROBES = [
     ("content-object", {"messages": [{"role": "user", "content": {"text": "hi"}}]}, 400, "messages"),
     ("text-part-not-string", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400, "messages"),
     ("text-part-missing", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages"),
-    ("image-part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    ("image-part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages"),
     ("part-not-object", {"messages": [{"role": "user", "content": ["hi"]}]}, 400, "messages"),
     ("message-unknown-field", {"messages": [{"role": "user", "content": "hi", "audio": {"id": "x"}}]}, 400, "messages"),
     ("tool-call-arguments", {"messages": [*NORMAL, {"role": "assistant", "tool_calls": [
@@ -214,7 +219,8 @@ ACCEPTED = [
     ("seed-int64-max", {"seed": 2**63 - 1, "temperature": 1.0}),
     ("nulls-mean-absent", {"temperature": None, "stop": None, "seed": None, "tools": None}),
     ("template-kwarg", {"chat_template_kwargs": {"enable_thinking": False}}),
-    ("text-parts", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}]}),
+    ("text-parts", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Say "},
+                                                              {"type": "text", "text": "hi"}]}]}),
     ("null-content-and-refusal", {"messages": [*NORMAL, {"role": "assistant", "content": None, "refusal": None}, *NORMAL]}),
     ("xtc", {"xtc_probability": 0.5, "temperature": 1.0}),
     ("penalties", {"repetition_penalty": 1.2, "presence_penalty": -2, "frequency_penalty": 2, "logit_bias": {"5": -100}}),
@@ -266,6 +272,7 @@ def test_template_from_request_says_why(port):
     ("/v1/completions", {"prompt": ["a", "b"]}, 400),
     ("/v1/completions", {"prompt": [1, 2, 3]}, 400),
     ("/v1/completions", {"prompt": ""}, 400),
+    ("/v1/completions", {"max_tokens": 3}, 400),
     ("/v1/completions", {"messages": NORMAL}, 400),
     ("/v1/completions", {"prompt": "hi", "tools": []}, 400),
     ("/v1/completions", {"prompt": "Once", "max_tokens": 3, "seed": -1}, 200),
@@ -332,7 +339,8 @@ def test_keep_alive_and_pipelining(port, env):
 def test_error_answers_keep_the_connection(port):
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         reader = Reader(sock)
-        for body in (b"{not json", b'{"messages": [], "n": 1}', b'{"messages": [{"role": "user", "content": "hi"}], "seed": -1}'):
+        normal = b'{"messages": [{"role": "user", "content": "hi"}], "seed": -1, "max_tokens": 2}'
+        for body in (b"{not json", b'{"messages": [], "n": 1}', normal):
             sock.sendall(b"POST /v1/nope HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             assert read_response(reader)[0] == 404
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -462,3 +470,30 @@ def test_failing_job_ends_alone(port, env, monkeypatch):
     assert len([r for r in env.log.records if r.exc_info]) == 2  # logged with their tracebacks, once each
     monkeypatch.undo()
     env.log.records.clear()
+
+
+def test_concurrent_clients_some_leaving(port, env):
+    """Twelve clients at once; half leave mid-stream. The others get exact answers and the worker is freed."""
+    body = json.dumps({"messages": NORMAL, "max_tokens": 2000, "stream": True, "logit_bias": {"2": -100}}).encode()
+
+    def leaver():
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            received = b""
+            while b"data: " not in received:
+                received += sock.recv(4096)
+        return "left"
+
+    def stayer():
+        status, raw = request(port, "POST", CHAT, {"messages": NORMAL, "max_tokens": 6}, timeout=120)
+        return json.loads(raw)["choices"][0]["message"]["content"] if status == 200 else raw
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda i: (leaver if i % 2 else stayer)(), range(12)))
+    assert results == [env.expected, "left"] * 6
+    deadline = time.monotonic() + 30
+    while "dflash_requests_active 1" in request(port, "GET", "/metrics")[1] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "dflash_requests_active 0" in request(port, "GET", "/metrics")[1]
