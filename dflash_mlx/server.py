@@ -15,6 +15,7 @@ to build its parser, and ``dflash-mlx --help`` should not load MLX.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -30,6 +31,21 @@ from .transport import App, Server
 from .worker import Metrics, Worker
 
 DRAIN_SECONDS = 10.0  # how long a shutdown waits for handlers to write their last bytes
+SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def start_thread(thread: threading.Thread) -> None:
+    """Start ``thread`` with SIGINT/SIGTERM blocked in it and in every thread it starts.
+
+    Python runs signal handlers on the main thread only, and a signal the kernel
+    hands to another thread (the busy worker, say) waits until the main thread
+    wakes up by itself; blocked elsewhere, it goes to the main thread at once.
+    """
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
 
 
 def chat_template_arg(text: str) -> str:
@@ -73,7 +89,7 @@ def make_server(args: argparse.Namespace) -> Server:
     except OSError as e:
         reason = e.strerror or one_line(e)
         raise DFlashError(f"cannot listen on {args.host}:{args.port}: {reason}; fix: pick another --host or --port") from None
-    worker.start()
+    start_thread(worker)
     try:
         worker.ready.wait()
         if worker.state != "ready":
@@ -87,18 +103,29 @@ def make_server(args: argparse.Namespace) -> Server:
             args.max_tokens, defaults,
         )
     except BaseException:  # a load error, or a signal while loading: the worker finishes loading, then stops
-        worker.close()
-        worker.join()
+        stop_worker(worker)
         server.server_close()
         raise
     return server
 
 
+def stop_worker(worker: Worker) -> None:
+    """End the worker's jobs, join it, and free what it held, here on the calling thread.
+
+    Left to interpreter teardown, the worker's garbage (reference cycles holding
+    MLX arrays) is collected on whichever thread runs then, and exiting aborts
+    with "terminate called without an active exception" (7 exits in 8 here).
+    """
+    worker.close()  # queued and running jobs end; their clients get a 503 or an error event
+    worker.join()
+    worker.model = worker.prompt_cache = None
+    gc.collect()
+
+
 def close(server: Server) -> None:
     """End what is in flight, join the worker, and release the socket."""
     server.closing = True
-    server.app.worker.close()  # queued and running jobs end; their clients get a 503 or an error event
-    server.app.worker.join()
+    stop_worker(server.app.worker)
     if not server.app.wait_idle(DRAIN_SECONDS):
         logging.warning("%d answers were still being written at exit", server.app.busy)
     server.server_close()
@@ -124,12 +151,13 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    previous = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, _on_signal) for signum in SIGNALS}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # in case whoever started us blocked them
     server = thread = None
     try:
         server = make_server(args)
         thread = threading.Thread(target=server.serve_forever, name="dflash-http", daemon=True)
-        thread.start()
+        start_thread(thread)
         host, port = server.server_address[:2]
         logging.info("dflash-mlx serving %s on http://%s:%d", args.model, host, port)
         while True:

@@ -160,11 +160,13 @@ class Worker(threading.Thread):
             cost_curve(self.model)  # calibrate now, not during the first request
 
     def _run(self, job: Job) -> None:
-        if self.state != "ready":
-            job.cancel(self.error or SHUTTING_DOWN)
+        with self._lock:  # so that close() either sees this job running or finds the state changed
+            if self.state != "ready":
+                job.cancel(self.error or SHUTTING_DOWN)
+            elif not job.cancelled:
+                self.current = job
         end = End(job.reason, 503) if job.cancelled else None
         if end is None:
-            self.current = job
             try:
                 self._generate(job)
                 end = End(job.reason, 503) if job.reason else End()
