@@ -63,6 +63,7 @@ class Metrics:
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.generation_seconds = 0.0
         self.steps = self.step_tokens = self.plain_steps = 0
+        self.drafted_tokens = self.copied_tokens = 0
         self.last_tps = 0.0
         self.last_speculative = 0
 
@@ -85,6 +86,8 @@ class Metrics:
                 ("tau", "gauge", "Mean tokens committed per draft-verify step", tau),
                 ("steps_total", "counter", "Decode steps", self.steps),
                 ("plain_steps_total", "counter", "Steps decoded without a draft (block size 1)", self.plain_steps),
+                ("drafted_tokens_total", "counter", "Accepted tokens the drafter proposed", self.drafted_tokens),
+                ("copied_tokens_total", "counter", "Accepted tokens copied from earlier text", self.copied_tokens),
                 ("speculative", "gauge", "1 if the last request drafted, 0 if it decoded plainly", self.last_speculative),
             ]
         lines = []
@@ -193,7 +196,8 @@ class Worker(threading.Thread):
         """``stream_generate`` keyword arguments for a job's parameters."""
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-        kwargs = dict(temp=p.temp, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, block_size=p.block_size or self.args.block_size)
+        kwargs = dict(temp=p.temp, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, block_size=p.block_size or self.args.block_size,
+                      copy_proposals=getattr(self.args, "copy_proposals", True))
         if p.xtc_probability > 0 and p.temp > 0:
             # XTC is an opaque sampler: still exact (the match strategy), but it accepts fewer drafts.
             specials = self.tokenizer.encode("\n", add_special_tokens=False) + list(self.tokenizer.eos_token_ids)
@@ -229,5 +233,7 @@ class Worker(threading.Thread):
             m.steps += len(s.acceptance_lengths)
             m.step_tokens += sum(s.acceptance_lengths)
             m.plain_steps += sum(1 for b in s.block_sizes if b == 1)
+            m.drafted_tokens += s.drafted
+            m.copied_tokens += s.copied
             m.last_tps = response.generation_tps
             m.last_speculative = int(s.speculative)
