@@ -68,3 +68,10 @@ def add_block_arguments(p: argparse.ArgumentParser) -> None:
                         "from the measured verify cost and the running acceptance")
     p.add_argument("--draft-window", type=draft_window_arg, default=None, metavar="KEEP:RECENT",
                    help="Bound the drafter's context to the first KEEP and last RECENT tokens (long prompts)")
+
+
+def add_sharding_arguments(p: argparse.ArgumentParser) -> None:
+    """How the target is split across the ranks of ``mlx.launch`` (ignored by a single process)."""
+    p.add_argument("--pipeline", action="store_true",
+                   help="Under mlx.launch: give each rank a run of the target's layers (pipeline parallel) "
+                        "instead of a slice of every layer (tensor parallel, the default where mlx_lm can)")

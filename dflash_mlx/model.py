@@ -69,10 +69,19 @@ def load_target(path_or_repo: str) -> tuple[nn.Module, TokenizerWrapper]:
         raise DFlashError(f"could not load the target from {path}: {e}") from None
 
 
-def load(model: str, draft: str) -> tuple[DFlashModel, TokenizerWrapper]:
-    """Load a target (folder or Hub id, anything mlx_lm loads) and its DFlash drafter."""
-    target_model, tokenizer = load_target(model)
+def load(model: str, draft: str, pipeline: bool = False) -> tuple[DFlashModel, TokenizerWrapper]:
+    """Load a target (folder or Hub id, anything mlx_lm loads) and its DFlash drafter.
+
+    Under ``mlx.launch`` with two or more ranks the target is sharded across them
+    (``distributed.py``): tensor parallel where mlx_lm can, or by layers with
+    ``pipeline``. Then this returns on rank 0 only; the other ranks follow rank 0
+    inside this call and end their process when rank 0 ends.
+    """
+    from . import distributed  # joins other ranks only when a launcher started several
+
+    shards = distributed.Shards.join(pipeline) if pipeline or distributed.launched() else None
+    target_model, tokenizer = shards.load(model) if shards else load_target(model)
     drafter = load_drafter(draft)
-    target = Target(target_model, drafter.args.target_layer_ids)
+    target = (shards.target if shards else Target)(target_model, drafter.args.target_layer_ids)
     check_pair(target, drafter)
     return DFlashModel(target, drafter), tokenizer
