@@ -119,6 +119,19 @@ class ShardedTarget(Target):
         return dict(zip(self.remote_ids, mx.split(rows, len(self.remote_ids), axis=-1)))
 
 
+def _settle() -> None:
+    """Wait for work still running on mlx_lm's generation stream.
+
+    mlx_lm's generate evaluates one forward ahead, asynchronously, and returns with
+    the last one still running. Its collectives must finish before the next
+    operation's start, or they would interleave with them differently on each rank.
+    """
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+
+
 class _Cache(list):
     """A cache on rank 0, named by ``id`` in the orders to the other ranks."""
 
@@ -207,7 +220,9 @@ class Driver:
         """
         self._order("call", fn=f"{fn.__module__}:{fn.__qualname__}", args=list(args))
         with _collectives():
-            return fn(self.target.model, self.shards.tokenizer, *args)
+            result = fn(self.target.model, self.shards.tokenizer, *args)
+            _settle()
+        return result
 
     def start_record(self) -> ShardingStats:
         """A fresh communication record; the verify steps from now on add to it."""
@@ -237,6 +252,7 @@ def follow(target: ShardedTarget, control: Control, tokenizer: TokenizerWrapper)
             elif op == "call":
                 module, name = order["fn"].split(":")
                 getattr(importlib.import_module(module), name)(target.model, tokenizer, *order["args"])
+                _settle()
         except Exception as e:  # a failed collective, or the ranks have parted ways
             fault(target.rank, f"cannot follow rank 0's {order['op']} order: {type(e).__name__}: {e}")
 

@@ -357,7 +357,8 @@ class Worker(threading.Thread):
         from .adaptive import cost_curve
         from .model import load
 
-        self.model, self.tokenizer = load(self.args.model, self.args.draft)
+        # Under mlx.launch only rank 0 returns (and serves); the other ranks follow it inside load.
+        self.model, self.tokenizer = load(self.args.model, self.args.draft, pipeline=self.args.pipeline)
         if self.args.block_size == "auto":
             cost_curve(self.model)  # calibrate now, not during the first request
 
@@ -647,7 +648,7 @@ class Server(ThreadingHTTPServer):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .flags import add_block_arguments
+    from .flags import add_block_arguments, add_sharding_arguments
 
     p.add_argument("--model", required=True, help="Target model: local folder or Hub repo id")
     p.add_argument("--draft", required=True, help="DFlash drafter: local folder or Hub repo id")
@@ -661,6 +662,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="Refuse longer prompts (default: the target's max_position_embeddings)")
     add_block_arguments(p)
+    add_sharding_arguments(p)
 
 
 def make_server(args: argparse.Namespace) -> Server:
