@@ -19,12 +19,16 @@ and commits tau tokens, so the speedup of DFlash over plain sharded decoding is
 
     S = tau * (c(1) + k(1)) / (d + c(B) + k(B) + o)
 
-with c(R) the compute of a forward of R rows (measured time minus its communication),
-k(R) = n * (alpha + R * H * bytes / bw) the model's n collectives per forward, d the
-drafter forward and o the order message plus the tap gather. For two Macs the script
-keeps tau and the ratios c(B) / c(1) and d / c(1) measured here, scales compute so that
-a plain token costs ``--mac-token-ms`` there, and puts each assumed link's alpha and
-bw into k and o.
+with c(R) the compute of a forward of R rows, k(R) = n * (alpha + R * H * bytes / bw)
+the model's n collectives per forward, d the drafter forward and o the order message
+plus, pipelined, the tap gather. The compute comes from a single-process benchmark of
+the same pair (``--compute-from``: tau, c(1), c(B), d), because two ranks on one
+machine's cores distort it far more than a link would; it is scaled so that a plain
+token costs ``--mac-token-ms`` of one Mac's compute, halved for tensor parallelism
+(each Mac holds half of every layer), kept whole for pipelining (the stages run one
+after the other). n is counted in the sharded model's graph (pipeline: send/recv and
+all_gather; tensor: an all_sum after every attention and every MLP, 2 per layer), and
+alpha and bw are the assumed links in ``LINKS``.
 
 On one machine, give each rank one BLAS thread (``mlx.launch --env OPENBLAS_NUM_THREADS=1``):
 two ranks with a thread pool each oversubscribe the cores.
@@ -45,7 +49,8 @@ from dflash_mlx.model import load
 
 # Assumed links for the two-Mac model: (name, per-collective latency in seconds, bytes/s).
 # MLX's ring backend is TCP: Thunderbolt as an IP bridge, or Ethernet.
-LINKS = [("Thunderbolt 4 bridge", 60e-6, 2.5e9), ("10 GbE", 120e-6, 1.1e9), ("1 GbE", 200e-6, 0.11e9)]
+LINKS = [("Thunderbolt bridge", 80e-6, 2.5e9), ("10 GbE", 150e-6, 1.1e9)]
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def qwen2_copy(llama: Path) -> Path:
@@ -70,34 +75,35 @@ def _write_qwen2(llama: Path, out: Path) -> None:
             (out / name).write_bytes((llama / name).read_bytes())
 
 
-def fit(target, summary: dict, block_size: int, hidden_bytes: int) -> dict:
-    """The step's parts measured in this run, communication split off: the two-Mac model's inputs.
+def compute_shape(path: Path, dataset: str) -> dict:
+    """tau and the step's compute from a single-process ``dflash-mlx benchmark --output`` JSON.
 
-    A plain token's time is 1 / mlx_lm tok/s; a DFlash step's verify time comes from
-    the profiled pass and holds its communication (orders, tap gather, collectives).
+    Measured without communication or a second rank on the cores, which on this
+    shared machine distort the sharded run's own times far more than any link would.
     """
-    comm = summary["communication_ms_per_step"] / 1e3
-    collectives = target.collective_seconds(block_size)
-    return {
-        "tau": summary["tau"], "block_size": block_size,
-        "compute_1_s": 1 / summary["baseline_tps"] - target.collective_seconds(1),
-        "compute_B_s": summary["verify_ms_per_step"] / 1e3 - comm,
-        "draft_s": summary["draft_ms_per_step"] / 1e3,
-        "order_and_gather_s": comm - collectives,
-        "collectives_per_forward": target.collectives, "collective_latency_s": target.latency,
-        "hidden_bytes_per_row": hidden_bytes, "tap_gather": bool(target.remote_ids),
-    }
+    report = json.loads(path.read_text())
+    row = next(r for r in report["results"] if r["dataset"] == dataset)
+    return {"source": str(path), "tau": row["tau"], "block_size": report["block_size"],
+            "token_s": 1 / row["baseline_tps"], "verify_s": row["verify_ms_per_step"] / 1e3,
+            "draft_s": row["draft_ms_per_step"] / 1e3}
 
 
-def two_mac(f: dict, token_ms: float, link: tuple[str, float, float], order_messages: int = 1) -> float:
-    """Predicted DFlash speedup over plain sharded decoding on two Macs (see the module docstring)."""
+def two_mac(shape: dict, mode: str, collectives: int, row_bytes: int, gather_bytes: int, token_ms: float,
+            link: tuple[str, float, float]) -> dict:
+    """Plain and DFlash tok/s of a target sharded over two Macs, and the speedup (module docstring).
+
+    Compute is scaled so that a plain token costs ``token_ms`` on one Mac's worth of
+    compute; tensor parallelism halves it (each Mac holds half of every layer),
+    pipelining does not (the stages run one after the other).
+    """
     _, alpha, bw = link
-    B, n, H = f["block_size"], f["collectives_per_forward"], f["hidden_bytes_per_row"]
-    scale = token_ms / 1e3 / f["compute_1_s"]  # the Macs' compute against this machine's
-    k = lambda r: n * (alpha + r * H / bw)  # noqa: E731
-    o = order_messages * alpha + f["tap_gather"] * (alpha + B * H / bw)
-    step = scale * (f["draft_s"] + f["compute_B_s"]) + k(B) + o
-    return f["tau"] * (scale * f["compute_1_s"] + k(1)) / step
+    B = shape["block_size"]
+    scale = token_ms / 1e3 / shape["token_s"] / (2 if mode == "tensor" else 1)
+    k = lambda rows: collectives * (alpha + rows * row_bytes / bw)  # noqa: E731
+    orders = alpha + (alpha + B * gather_bytes / bw if gather_bytes else 0.0)
+    plain = scale * shape["token_s"] + k(1)
+    step = scale * (shape["draft_s"] + shape["verify_s"]) + k(B) + orders
+    return {"plain_tps": 1 / plain, "dflash_tps": shape["tau"] / step, "speedup": shape["tau"] * plain / step}
 
 
 def main() -> None:
@@ -109,8 +115,10 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--mac-token-ms", type=float, nargs="+", default=[20.0, 80.0],
-                   help="Assumed compute per plain token of the sharded target on the two Macs")
+    p.add_argument("--mac-token-ms", type=float, nargs="+", default=[20.0, 60.0],
+                   help="Assumed compute of one plain token of the target on one Mac's worth of compute")
+    p.add_argument("--compute-from", type=Path, default=RESULTS / "default_pair_b4.json",
+                   help="A single-process `dflash-mlx benchmark --output` JSON of the pair: tau and step compute")
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
     if args.model is None:
@@ -121,27 +129,39 @@ def main() -> None:
     run_args = argparse.Namespace(max_tokens=args.max_tokens, temp=0.0, seed=0, block_size=args.block_size,
                                   profile_prompts=args.num_prompts)
     summary = benchmark_dataset(model, tokenizer, args.dataset, prompts, run_args).summary(True)
-    hidden_bytes = model.target.hidden_size * mx.zeros((), model.target.dtype).itemsize
-    f = fit(model.target, summary, args.block_size, hidden_bytes)
-    print(f"{summary['sharding']} over {model.target.shards.size} ranks, {args.dataset} x{args.num_prompts}, "
+    target = model.target
+    print(f"{summary['sharding']} over {target.shards.size} ranks, {args.dataset} x{args.num_prompts}, "
           f"{args.max_tokens} tokens, block {args.block_size}")
     print(f"{'mlx_lm tok/s':>13}{'DFlash tok/s':>14}{'speedup':>9}{'tau':>6}{'draft ms':>10}{'verify ms':>11}"
           f"{'comm ms/step':>14}  match")
     print(f"{summary['baseline_tps']:>13.2f}{summary['dflash_tps']:>14.2f}{summary['speedup']:>8.2f}x{summary['tau']:>6.2f}"
           f"{summary['draft_ms_per_step']:>10.1f}{summary['verify_ms_per_step']:>11.1f}"
           f"{summary['communication_ms_per_step']:>14.2f}  {summary['match']}")
-    lat = ", ".join(f"{r} rows {1e3 * t:.2f} ms" for r, t in f["collective_latency_s"].items())
-    print(f"fit: compute {1e3 * f['compute_1_s']:.2f} ms per plain token, {1e3 * f['compute_B_s']:.2f} ms per verify "
-          f"of {args.block_size} rows, draft {1e3 * f['draft_s']:.2f} ms; {f['collectives_per_forward']} collectives "
-          f"per forward at {lat}; orders + tap gather {1e3 * f['order_and_gather_s']:.2f} ms/step")
-    predictions = {}
-    for token_ms in args.mac_token_ms:
-        for link in LINKS:
-            predictions[f"{link[0]}, {token_ms:g} ms/token"] = s = two_mac(f, token_ms, link)
-            print(f"two Macs, {link[0]}, plain compute {token_ms:g} ms/token: expected DFlash speedup {s:.2f}x")
+    lat = ", ".join(f"{r} rows {1e3 * t:.2f} ms" for r, t in target.latency.items())
+    print(f"the model's collectives per forward: {target.collectives}; all_sum latency here: {lat}")
+
+    shape = compute_shape(args.compute_from, args.dataset)
+    row_bytes = target.hidden_size * mx.zeros((), target.dtype).itemsize
+    layers = len(target.layers)
+    # The run's own mode with its counted collectives; the other mode with the count it would have.
+    pipelined = target.shards.pipeline
+    modes = {"pipeline": (target.collectives if pipelined else 2,
+                          len(target.remote_ids) if pipelined else len(target.layer_ids) // 2),
+             "tensor": (target.collectives if not pipelined else 2 * layers, 0)}
+    print(f"two Macs, from the compute of {shape['source']} (tau {shape['tau']}, block {shape['block_size']}):")
+    predictions = []
+    for mode, (n, gathered) in modes.items():
+        for token_ms in args.mac_token_ms:
+            for link in LINKS:
+                r = two_mac(shape, mode, n, row_bytes, gathered * row_bytes, token_ms, link)
+                predictions.append(dict(mode=mode, collectives=n, token_ms=token_ms, link=link[0], **r))
+                print(f"  {mode:>8} ({n:>3} collectives/forward), {token_ms:>4g} ms/token compute, {link[0]:<20} "
+                      f"plain {r['plain_tps']:6.1f} tok/s, DFlash {r['dflash_tps']:6.1f} tok/s, {r['speedup']:.2f}x")
     if args.output:
         args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                           "fit": f, "two_mac": predictions}, indent=2, default=str) + "\n")
+                                           "collectives_per_forward": target.collectives,
+                                           "collective_latency_s": target.latency, "compute_shape": shape,
+                                           "two_mac": predictions}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,10 @@ class _Link:
     def _exact(self, n: int) -> bytes | None:
         chunks = []
         while n:
-            chunk = self.sock.recv(min(n, 1 << 20))
+            try:
+                chunk = self.sock.recv(min(n, 1 << 20))
+            except OSError:  # reset by a peer that died
+                return None
             if not chunk:
                 return None
             chunks.append(chunk)

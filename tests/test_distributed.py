@@ -30,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PROMPT = [40, 73, 80, 77, 87, 5, 69, 82, 85, 5, 80, 73, 69, 86, 5, 71, 83, 82]  # longer than the prefill chunk
-MAX_TOKENS = 40
+MAX_TOKENS = 32
 PREFILL_STEP = 8
 SAMPLING_SEED, TEMP = 7, 0.8
 
