@@ -101,8 +101,10 @@ class ShardedTarget(Target):
     def _hidden(self, taps: dict[int, mx.array], tokens: mx.array, cache: list) -> mx.array:
         if self.remote_ids:
             taps = {**taps, **self._gather(taps, tokens, cache)}
-        if self.rank:  # only rank 0 drafts
+        if len(taps) < len(self.layer_ids):  # a pipeline stage other than rank 0, which never drafts
             return mx.zeros((1, tokens.shape[1], 0), self.dtype)
+        # Under tensor parallelism every rank evaluates the taps, as rank 0 does: a tapped
+        # last layer holds collectives that no cache state depends on.
         return super()._hidden(taps, tokens, cache)
 
     def _gather(self, taps: dict[int, mx.array], tokens: mx.array, cache: list) -> dict[int, mx.array]:

@@ -190,8 +190,13 @@ def _qwen3_5_folder(root: Path, index: bool) -> tuple[Path, Path]:
     return folder, save_drafter(root / "qwen3_5-draft", draft)
 
 
-def test_tensor_parallel_qwen3(tiny_pair):
-    target, draft = tiny_pair("qwen3")
+def test_tensor_parallel_qwen3(tiny_pair, tmp_path):
+    """The drafter taps the last layer too: its collectives must run on every rank alike."""
+    from tiny import TARGETS, drafter_config, save_drafter
+
+    target, _ = tiny_pair("qwen3")
+    last = TARGETS["qwen3"]["num_hidden_layers"] - 1
+    draft = save_drafter(tmp_path / "draft", drafter_config(TARGETS["qwen3"], target_layer_ids=[1, last]))
     out = _launch({"target": str(target), "draft": str(draft), "pipeline": False})
     _check_lossless(out, "tensor parallel")
 
