@@ -32,7 +32,6 @@ from __future__ import annotations
 import importlib
 import io
 import itertools
-import os
 import re
 import statistics
 import time
@@ -52,13 +51,9 @@ from .stats import ShardingStats
 from .target import Target
 
 CALIBRATION_ROWS = (1, 32)  # hidden-state rows of the all_sums timed at load
-CALIBRATION_REPEATS = 7
+CALIBRATION_REPEATS = 3
+CALIBRATION_CHAIN = 8
 _COLLECTIVE = re.compile(r'label ="[^"]*(?:AllReduce|AllGather|ReduceScatter|Send|Recv)')
-
-
-def launched() -> bool:
-    """Whether a distributed launcher started this process (looks at the environment only)."""
-    return any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "MLX_JACCL_COORDINATOR"))
 
 
 class ShardedTarget(Target):
@@ -82,12 +77,14 @@ class ShardedTarget(Target):
         self.dtype = self.embed(mx.zeros((1, 1), mx.int32)).dtype
         self.latency = {}
         for rows in CALIBRATION_ROWS:
-            x = mx.zeros((1, rows, self.hidden_size), self.dtype)
             times = []
-            for _ in range(CALIBRATION_REPEATS + 1):
+            for _ in range(CALIBRATION_REPEATS + 1):  # the first warms up
+                x = mx.zeros((1, rows, self.hidden_size), self.dtype)
+                for _ in range(CALIBRATION_CHAIN):  # dependent collectives in one graph, as in a forward
+                    x = mx.distributed.all_sum(x, group=group)
                 tic = time.perf_counter()
-                mx.eval(mx.distributed.all_sum(x, group=group))
-                times.append(time.perf_counter() - tic)
+                mx.eval(x)
+                times.append((time.perf_counter() - tic) / CALIBRATION_CHAIN)
             self.latency[rows] = statistics.median(times[1:])
         graph = io.StringIO()  # built, never evaluated: no collective runs here
         mx.export_to_dot(graph, self.model(mx.zeros((1, 1), mx.int32)))
@@ -269,11 +266,19 @@ class Shards:
         self.full_head: nn.Module | None = None
         self.tokenizer: TokenizerWrapper | None = None
 
+    joined = False  # the other ranks follow the first sharded target until the process ends
+
     @classmethod
     def join(cls, pipeline: bool) -> "Shards | None":
         """Join the launched ranks; None when this is the only one."""
         group = mx.distributed.init()
         if group.size() > 1:
+            if cls.joined:
+                raise DFlashError(
+                    "this launched process already loaded a sharded target, and the other ranks follow "
+                    "it until the process ends: load one pair per mlx.launch"
+                )
+            cls.joined = True
             return cls(group, pipeline)
         if pipeline:
             raise DFlashError(

@@ -6,6 +6,7 @@ the adaptive policy, training, the server and the benchmark alike.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import mlx.nn as nn
@@ -18,6 +19,8 @@ from .errors import DFlashError
 from .target import Target
 
 MAX_BLOCK_SIZE = 32
+# Set in every rank's environment by mlx.launch, mpirun or the jaccl launcher.
+LAUNCHER_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "MLX_JACCL_COORDINATOR")
 
 
 @dataclass(eq=False)  # identity, not value: the adaptive policy keys its calibration on the pair
@@ -77,9 +80,11 @@ def load(model: str, draft: str, pipeline: bool = False) -> tuple[DFlashModel, T
     ``pipeline``. Then this returns on rank 0 only; the other ranks follow rank 0
     inside this call and end their process when rank 0 ends.
     """
-    from . import distributed  # joins other ranks only when a launcher started several
+    shards = None
+    if pipeline or any(name in os.environ for name in LAUNCHER_VARIABLES):
+        from .distributed import Shards  # only then: a single process imports nothing distributed
 
-    shards = distributed.Shards.join(pipeline) if pipeline or distributed.launched() else None
+        shards = Shards.join(pipeline)
     target_model, tokenizer = shards.load(model) if shards else load_target(model)
     drafter = load_drafter(draft)
     target = (shards.target if shards else Target)(target_model, drafter.args.target_layer_ids)

@@ -231,6 +231,19 @@ def test_pipeline_qwen3_5_matches_single_process(tmp_path):
     assert single["sampled"] == out["sampled0"]
 
 
+def test_a_single_process_imports_nothing_distributed(tiny_pair):
+    target, draft = tiny_pair("qwen3")
+    code = (
+        "import sys, dflash_mlx\n"
+        f"pair, _ = dflash_mlx.load({str(target)!r}, {str(draft)!r})\n"
+        "assert type(pair.target).__name__ == 'Target', type(pair.target)\n"
+        "assert not {'dflash_mlx.distributed', 'dflash_mlx.control'} & set(sys.modules), 'imported'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_RANK", "MLX_HOSTFILE")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 # ---- faults ---------------------------------------------------------------------------------
 
 
