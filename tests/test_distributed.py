@@ -10,9 +10,9 @@ public ``stream_generate`` path for the stats. Tensor parallel: qwen3; qwen3_5
 llama with sliding-window layers. Pipeline parallel: qwen3_5, whose tapped layers
 live on both ranks.
 
-The fault tests start the two ranks by hand with the environment ``mlx.launch``
-gives them, so that no launcher cleans up after a dead rank: the survivors must end
-on their own, within 30 s, with one line of error.
+The serve and fault tests start the two ranks by hand with the environment
+``mlx.launch`` gives them, so that no launcher cleans up after a dead rank: the
+survivors must end on their own, within 30 s, with one line of error.
 
 This file is also the ranks' program: ``python test_distributed.py SPEC_JSON``.
 """
@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -244,20 +245,50 @@ def test_a_single_process_imports_nothing_distributed(tiny_pair):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_serve_on_rank_0(tiny_pair, tmp_path):
+    """Rank 0 serves HTTP, rank 1 follows inside load; when rank 0 goes, rank 1 ends with one line."""
+    import mlx_lm
+
+    target, draft = tiny_pair("qwen3")
+    ranks = _start_ranks(tmp_path, ["-m", "dflash_mlx", "serve", "--model", str(target), "--draft", str(draft),
+                                    "--port", "0"])
+    try:
+        port = next(int(m.group(1)) for line in ranks[0].stderr
+                    if (m := re.search(r"serving .* on http://[\d.]+:(\d+)", line)))
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                         json.dumps({"prompt": "hello", "max_tokens": 12}).encode(),
+                                         {"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(request, timeout=120).read())
+        model, tokenizer = mlx_lm.load(str(target))
+        assert reply["choices"][0]["text"] == mlx_lm.generate(model, tokenizer, "hello", max_tokens=12)
+        assert ranks[1].poll() is None  # still following
+        ranks[0].terminate()
+        _, line = _ended_within(ranks[1], 30)
+        assert "rank 1: rank 0 closed its connection" in line, line
+    finally:
+        for r in ranks:
+            r.kill()
+            r.wait()
+
+
 # ---- faults ---------------------------------------------------------------------------------
 
 
-def _start_ranks(spec: dict) -> list[subprocess.Popen]:
-    """Two ranks started as mlx.launch starts them locally, without the launcher."""
+def _start_ranks(folder: Path, argv: list[str]) -> list[subprocess.Popen]:
+    """Two ranks of ``python argv`` started as mlx.launch starts them locally, without the launcher."""
     port = _free_ports()
-    hostfile = Path(spec["target"]).parent / f"hosts-{port}.json"
+    hostfile = folder / f"hosts-{port}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     return [
-        subprocess.Popen([sys.executable, str(Path(__file__).resolve()), json.dumps(spec)], cwd=HERE, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        subprocess.Popen([sys.executable, *argv], cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env=_rank_env(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile)))
         for rank in range(2)
     ]
+
+
+def _forever(target: Path, draft: Path) -> list[str]:
+    spec = {"target": str(target), "draft": str(draft), "pipeline": False, "forever": True}
+    return [str(Path(__file__).resolve()), json.dumps(spec)]
 
 
 def _wait_loaded(rank0: subprocess.Popen) -> None:
@@ -280,9 +311,9 @@ def _ended_within(process: subprocess.Popen, seconds: float) -> tuple[int, str]:
     return elapsed, ours[0]
 
 
-def test_killed_rank_stops_the_other(tiny_pair):
+def test_killed_rank_stops_the_other(tiny_pair, tmp_path):
     target, draft = tiny_pair("qwen3")
-    ranks = _start_ranks({"target": str(target), "draft": str(draft), "pipeline": False, "forever": True})
+    ranks = _start_ranks(tmp_path, _forever(target, draft))
     try:
         _wait_loaded(ranks[0])
         ranks[1].kill()
@@ -295,10 +326,10 @@ def test_killed_rank_stops_the_other(tiny_pair):
             r.wait()
 
 
-def test_stalled_rank_stops_the_other(tiny_pair):
+def test_stalled_rank_stops_the_other(tiny_pair, tmp_path):
     """A suspended rank keeps its sockets open: the heartbeat catches it, then rank 1 sees rank 0 go."""
     target, draft = tiny_pair("qwen3")
-    ranks = _start_ranks({"target": str(target), "draft": str(draft), "pipeline": False, "forever": True})
+    ranks = _start_ranks(tmp_path, _forever(target, draft))
     try:
         _wait_loaded(ranks[0])
         ranks[1].send_signal(signal.SIGSTOP)
