@@ -358,7 +358,8 @@ class Worker(threading.Thread):
         from .model import load
 
         # Under mlx.launch only rank 0 returns (and serves); the other ranks follow it inside load.
-        self.model, self.tokenizer = load(self.args.model, self.args.draft, pipeline=self.args.pipeline)
+        pipeline = getattr(self.args, "pipeline", False)  # an argparse.Namespace built in code may lack it
+        self.model, self.tokenizer = load(self.args.model, self.args.draft, pipeline=pipeline)
         if self.args.block_size == "auto":
             cost_curve(self.model)  # calibrate now, not during the first request
 
