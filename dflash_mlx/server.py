@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DFlashError, one_line
-from .flags import add_block_arguments, add_sampling_arguments, port_arg, positive_int
+from .flags import add_block_arguments, add_sampling_arguments, add_sharding_arguments, port_arg, positive_int
 from .protocol import ServerInfo, check_flags
 from .transport import App, Server
 from .worker import Metrics, Worker
@@ -71,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="Refuse longer prompts (default: the target's max_position_embeddings)")
     add_block_arguments(p)
+    add_sharding_arguments(p)
 
 
 def make_server(args: argparse.Namespace) -> Server:

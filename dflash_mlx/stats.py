@@ -7,6 +7,32 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class ShardingStats:
+    """How a sharded target ran (``distributed.py``) and its communication per verify step."""
+
+    mode: str  # "tensor parallel" or "pipeline parallel"
+    ranks: int
+    collectives: int  # the model's own collectives per forward, counted in its graph
+    steps: int = 0
+    control_seconds: float = 0.0  # sending rank 0's orders to the other ranks
+    gather_seconds: float = 0.0  # pipeline: bringing the taps other ranks hold to rank 0
+    collective_seconds: float = 0.0  # the model's collectives: count x latency calibrated at load
+
+    @property
+    def seconds_per_step(self) -> float:
+        return (self.control_seconds + self.gather_seconds + self.collective_seconds) / max(self.steps, 1)
+
+    def describe(self) -> str:
+        ms = lambda s: 1e3 * s / max(self.steps, 1)  # noqa: E731
+        return (
+            f"{self.mode} over {self.ranks} ranks; communication {1e3 * self.seconds_per_step:.2f} ms/step "
+            f"(orders {ms(self.control_seconds):.2f}, tap gather {ms(self.gather_seconds):.2f}, "
+            f"~{ms(self.collective_seconds):.2f} in the model's {self.collectives} collectives per forward, "
+            "latency calibrated at load)"
+        )
+
+
+@dataclass
 class SpeculativeStats:
     """Acceptance record of one generation. tau counts the target's own token."""
 
@@ -16,6 +42,7 @@ class SpeculativeStats:
     acceptance_lengths: list[int] = field(default_factory=list)
     block_sizes: list[int] = field(default_factory=list)  # verified rows per step; 1 = plain decoding
     adaptive: bool = False
+    sharding: ShardingStats | None = None  # set when the target is sharded over several ranks
     copy_proposals: bool = True  # whether copies from earlier text could be proposed
     copied: int = 0  # accepted proposals that were copied
     drafted: int = 0  # accepted proposals the drafter made
@@ -82,6 +109,7 @@ def format_stats(response) -> str:
             f"Accepted proposals: {s.drafted} drafted, {s.copied} copied"
             + (f" ({s.copy_steps} steps held copies)" if s.copy_proposals else " (copy proposals off)"),
             f"Acceptance histogram (tokens/step:count): {hist}",
+            *([f"Sharded: {s.sharding.describe()}"] if s.sharding else []),
             f"Peak memory: {response.peak_memory:.3f} GB",
         ]
     )

@@ -115,9 +115,14 @@ class Target:
         """Drop the last ``num_tokens`` positions (the rejected proposals) of the last call."""
         self.cache_policy.rollback(cache, num_tokens)
 
+    def holds(self, layer: int) -> bool:
+        """Whether this process holds ``layer``: a pipeline stage holds only its own (mlx_lm
+        leaves None before them and nothing after)."""
+        return layer < len(self.layers) and self.layers[layer] is not None
+
     @contextmanager
     def _tapped(self) -> Iterator[dict[int, list]]:
-        sinks = {i: [] for i in self.layer_ids}
+        sinks = {i: [] for i in self.layer_ids if self.holds(i)}
         originals = {i: self.layers[i] for i in sinks}
         for i, sink in sinks.items():
             self.layers[i] = _Tap(originals[i], sink)
@@ -141,8 +146,11 @@ class Target:
     def _forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         with self._tapped() as sinks:
             logits = self.model(tokens, cache=cache)
-        hidden = mx.concatenate([sinks[i][0] for i in self.layer_ids], axis=-1)
-        return logits, hidden
+        return logits, self._hidden({i: sink[0] for i, sink in sinks.items()}, tokens, cache)
+
+    def _hidden(self, taps: dict[int, mx.array], tokens: mx.array, cache: list) -> mx.array:
+        """The drafter's input from this forward's taps; a sharded target gathers them here."""
+        return mx.concatenate([taps[i] for i in self.layer_ids], axis=-1)
 
     def prefill(
         self, prompt: mx.array, cache: list, step_size: int = 2048

@@ -158,7 +158,9 @@ class Worker(threading.Thread):
         from .adaptive import cost_curve
         from .model import load
 
-        self.model, self.tokenizer = load(self.args.model, self.args.draft, getattr(self.args, "chat_template", None))
+        # Under mlx.launch only rank 0 returns (and serves); the other ranks follow it inside load.
+        self.model, self.tokenizer = load(self.args.model, self.args.draft, getattr(self.args, "chat_template", None),
+                                          pipeline=getattr(self.args, "pipeline", False))
         if self.args.block_size == "auto":
             cost_curve(self.model)  # calibrate now, not during the first request
 
