@@ -246,7 +246,8 @@ def test_a_single_process_imports_nothing_distributed(tiny_pair):
 
 
 def test_serve_on_rank_0(tiny_pair, tmp_path):
-    """Rank 0 serves HTTP, rank 1 follows inside load; when rank 0 goes, rank 1 ends with one line."""
+    """Rank 0 serves HTTP, rank 1 follows inside load; when rank 0 is stopped (SIGTERM), it says goodbye
+    and rank 1 ends cleanly with it."""
     import mlx_lm
 
     target, draft = tiny_pair("qwen3")
@@ -263,8 +264,9 @@ def test_serve_on_rank_0(tiny_pair, tmp_path):
         assert reply["choices"][0]["text"] == mlx_lm.generate(model, tokenizer, "hello", max_tokens=12)
         assert ranks[1].poll() is None  # still following
         ranks[0].terminate()
-        _, line = _ended_within(ranks[1], 30)
-        assert "rank 1: rank 0 closed its connection" in line, line
+        assert ranks[0].wait(timeout=30) == 0
+        assert ranks[1].wait(timeout=30) == 0
+        assert "Traceback" not in ranks[1].stderr.read()
     finally:
         for r in ranks:
             r.kill()
