@@ -199,6 +199,9 @@ class CachePolicy:
                     f"{type(c).__name__}, which DFlash cannot roll back after a rejected block; "
                     f"supported: {SUPPORTED}"
                 )
+        # Whether rollback reaches only into the last forward; a sharded target sets it
+        # when any rank holds such layers, so that every rank refuses the same rollbacks.
+        self.restricted = bool(self.mixers or self.windows)
         self._records: list[tuple[int, ArraysCache, tuple, dict]] = []
         self._rows = 0
         self._cache: list | None = None
@@ -236,7 +239,7 @@ class CachePolicy:
         """
         if not num_tokens:
             return
-        if (self.mixers or self.windows) and (cache is not self._cache or num_tokens > self._rows):
+        if self.restricted and (cache is not self._cache or num_tokens > self._rows):
             # Recurrent state and dropped window rows exist only for the last forward.
             raise DFlashError(
                 f"cannot roll back {num_tokens} tokens on a {self.model_type!r} target: its "

@@ -115,9 +115,14 @@ class Target:
         """Drop the last ``num_tokens`` positions (the rejected proposals) of the last call."""
         self.cache_policy.rollback(cache, num_tokens)
 
+    def holds(self, layer: int) -> bool:
+        """Whether this process holds ``layer``: a pipeline stage holds only its own (mlx_lm
+        leaves None before them and nothing after)."""
+        return layer < len(self.layers) and self.layers[layer] is not None
+
     @contextmanager
     def _tapped(self) -> Iterator[dict[int, list]]:
-        sinks = {i: [] for i in self.layer_ids}
+        sinks = {i: [] for i in self.layer_ids if self.holds(i)}
         originals = {i: self.layers[i] for i in sinks}
         for i, sink in sinks.items():
             self.layers[i] = _Tap(originals[i], sink)
@@ -130,16 +135,22 @@ class Target:
     def __call__(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         """Logits (1, L, V) and captured hidden states (1, L, k*H) for ``tokens`` (1, L).
 
-        ``rollback`` can then drop any tail of these L rows.
+        ``rollback`` can then drop any tail of these L rows. Without a cache (a training
+        pass over whole sequences) there is nothing to roll back.
         """
+        if cache is None:
+            return self._forward(tokens, cache)
         with self.cache_policy.undoable(cache, tokens.shape[1]):
             return self._forward(tokens, cache)
 
     def _forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         with self._tapped() as sinks:
             logits = self.model(tokens, cache=cache)
-        hidden = mx.concatenate([sinks[i][0] for i in self.layer_ids], axis=-1)
-        return logits, hidden
+        return logits, self._hidden({i: sink[0] for i, sink in sinks.items()}, tokens, cache)
+
+    def _hidden(self, taps: dict[int, mx.array], tokens: mx.array, cache: list) -> mx.array:
+        """The drafter's input from this forward's taps; a sharded target gathers them here."""
+        return mx.concatenate([taps[i] for i in self.layer_ids], axis=-1)
 
     def prefill(
         self, prompt: mx.array, cache: list, step_size: int = 2048, keep_rows: int | None = None

@@ -71,12 +71,13 @@ def save_tokenizer(path: Path) -> None:
     )
 
 
-def save_target(path: Path, family: str, seed: int = 0) -> Path:
-    """An mlx_lm model of ``family`` with random fp32 weights, as a model folder."""
+def save_target(path: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """An mlx_lm model of ``family`` (config entries replaced by ``overrides``) with random fp32
+    weights, as a model folder."""
     from mlx_lm.utils import _get_classes
 
     path.mkdir(parents=True, exist_ok=True)
-    config = dict(TARGETS[family], eos_token_id=EOS_ID)
+    config = dict(TARGETS[family], eos_token_id=EOS_ID, **overrides)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
