@@ -22,7 +22,7 @@ import mlx.core as mx
 import dflash_mlx
 from dflash_mlx.default import shipped_drafter
 from dflash_mlx.drafter import load_drafter
-from dflash_mlx.train import save_drafter
+from dflash_mlx.drafter import save_drafter
 save_drafter(load_drafter(sys.argv[1]), shipped_drafter(), mx.float16)
 PY
 

@@ -1,13 +1,15 @@
-"""Adaptive block size: pick each step's block to maximise expected tokens per second.
+"""Block policies: each step's block size, and where its proposals come from.
 
-A step with block ``B`` costs ``draft(B) + verify(B)`` seconds (measured once per
-loaded model by ``calibrate``; optionally rescaled by the step times actually
-seen) and commits ``1 + sum_k prod_{i<=k} a_i`` tokens in
-expectation, where ``a_i`` is the chance the i-th proposal is accepted given the
-ones before it were (tracked as an EMA of what the target accepted). When no
-block beats plain decoding (``B = 1``: one target row, no draft) the policy
-decodes plainly, and probes a speculative block now and then so it notices
-when the text becomes predictable again.
+A step verifies ``B`` rows: the anchor and ``B - 1`` proposals, drafted, copied from earlier
+text (``copying.py``), or both merged. It commits ``1 + sum_k prod_{i<=k} a_i`` tokens in
+expectation, where ``a_i`` is the chance the i-th proposal of a source is accepted given the
+ones before it were (``RunRates``: EMAs of what the target accepted). ``FixedBlockSize`` keeps
+``B`` and only chooses the source; ``AdaptiveBlockSize`` also chooses ``B`` to maximise expected
+tokens per second, from what a step costs on this machine: ``draft(B) + verify(B)`` seconds, or
+``verify(B)`` alone for a copy-only step (measured once per loaded pair by ``calibrate``;
+optionally rescaled by the step times actually seen). When nothing beats plain decoding
+(``B = 1``: one target row, no proposals) it decodes plainly, and probes a speculative block now
+and then so it notices when the text becomes predictable again.
 
 Why measured and not assumed: on MLX the verify cost of B rows is far from
 flat (quantized matmuls on CPU scale with rows), so the best block differs per
@@ -21,14 +23,21 @@ import time
 import weakref
 from bisect import bisect_left
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 
 from . import kernels
+from .copying import Copy, common_run
 from .model import DFlashModel
 from .ragged import RaggedKVCache
+from .sampling import Greedy
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32)
+# Largest block of a copy-only step: no drafter bounds it, and long copies are the ones that pay.
+COPY_BLOCK_SIZE = 16
+# Copy runs are told apart by how much context they matched: (shortest match, ...) of each class.
+COPY_MATCH_CLASSES = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -38,10 +47,10 @@ class CostCurve:
     verify: dict[int, float]
     draft: dict[int, float]
 
-    def step_seconds(self, block_size: int) -> float:
-        """Cost of one step; a block of 1 is plain decoding and runs no draft."""
+    def step_seconds(self, block_size: int, draft: bool = True) -> float:
+        """Cost of one step; a block of 1 is plain decoding and runs no draft, nor does a copy-only step."""
         cost = interpolate(self.verify, block_size)
-        return cost if block_size == 1 else cost + interpolate(self.draft, block_size)
+        return cost + interpolate(self.draft, block_size) if draft and block_size > 1 else cost
 
     def relative(self) -> dict[int, float]:
         """Step cost of each measured block size relative to plain decoding."""
@@ -83,7 +92,10 @@ def calibrate(
     target, drafter = model.target, model.drafter
     ops = kernels.get_ops(use_metal)
     max_block_size = max_block_size or model.block_size
-    sizes = sorted({b for b in CALIBRATION_SIZES if b < max_block_size} | {1, max_block_size})
+    # Verify sizes up to COPY_BLOCK_SIZE: copy-only steps may verify more rows than the drafter
+    # drafts (the batch engine has none).
+    largest = max(max_block_size, COPY_BLOCK_SIZE) if rows == 1 else max_block_size
+    sizes = sorted({b for b in CALIBRATION_SIZES if b < largest} | {1, max_block_size})
     # Deterministic tokens: calibration must not consume the caller's random stream.
     tokens = mx.arange(context + max(sizes), dtype=mx.int32) % target.vocab_size
     if rows == 1:
@@ -97,8 +109,9 @@ def calibrate(
     tokens = tokens.reshape(rows, -1)
     mx.eval(hidden)
     head = target.head(drafter.vocab_rows)
+    greedy = Greedy(ops)
     # The drafter's context as in steady state: the prompt absorbed, a few new rows per step.
-    drafter.draft_rows(target.embed(tokens[:, :2]), hidden[:, :-2], draft_cache, head, ops)
+    drafter(target.embed(tokens[:, :2]), hidden[:, :-2], draft_cache, head, ops)
     def run_verify(B: int) -> None:
         logits, h = target(tokens[:, context : context + B], cache)
         mx.eval(logits, h)
@@ -106,25 +119,26 @@ def calibrate(
 
     def run_draft(B: int) -> None:
         block = target.embed(tokens[:, context : context + B])
-        logits = drafter.draft_rows(block, hidden[:, -2:], draft_cache, head, ops)
-        mx.eval(mx.argmax(logits, axis=-1))
+        proposals, _, _ = drafter.propose(block, tokens[:, context], hidden[:, -2:], draft_cache, head, greedy)
+        mx.eval(proposals)
         for c in draft_cache:
             c.trim(2)
 
-    verify, draft = {B: float("inf") for B in sizes}, {B: float("inf") for B in sizes if B > 1}
+    verify = {B: float("inf") for B in sizes}
+    draft = {B: float("inf") for B in sizes if 1 < B <= max_block_size}
     for i in range(repeats + 1):
         warm_up = i == 0  # first calls pay for allocation and graph setup
         for B in sizes:
             t = _seconds(lambda: run_verify(B))
             verify[B] = verify[B] if warm_up else min(verify[B], t)
-            if B > 1:
+            if B in draft:
                 t = _seconds(lambda: run_draft(B))
                 draft[B] = draft[B] if warm_up else min(draft[B], t)
     draft[1] = 0.0
     # More rows never cost less: a size that timed faster than a smaller one was noise.
     for small, large in zip(sizes, sizes[1:]):
         verify[large] = max(verify[large], verify[small])
-        if small > 1:
+        if small > 1 and large in draft:
             draft[large] = max(draft[large], draft[small])
     return CostCurve(verify, draft)
 
@@ -140,18 +154,121 @@ def cost_curve(model: DFlashModel, use_metal: bool | None = None) -> CostCurve:
     return _curves[model]
 
 
-class AdaptiveBlockSize:
-    """A ``decode.BlockPolicy`` maximising expected tokens per second.
+class RunRates:
+    """Chances that proposal i of a run is accepted given the ones before it were.
 
-    prior: assumed acceptance rate before anything is observed. A position
-    never tested yet borrows the rate of the deepest tested position before it:
-    with the prior alone, a policy that settled on a small block would never
-    learn that longer blocks get accepted. decay: EMA weight of the past per
-    observation. optimism: the block is chosen with each rate raised by
-    ``optimism / sqrt(observations + 1)`` (an upper confidence bound), so
-    positions seen rarely, e.g. after one unlucky early rejection, get tested
-    again instead of capping the block for good. probe_every: after this many
-    plain steps, run one speculative step to refresh the acceptance estimates.
+    Averaged with the prior while a position has few observations, an EMA after (``decay``: the
+    weight of the past). A position never tested borrows the rate of the deepest tested one
+    before it: with the prior alone, a source that settled on short runs would never learn that
+    longer ones get accepted. ``optimism`` raises each rate by ``optimism / sqrt(observations +
+    1)`` for choices (an upper confidence bound), so positions seen rarely, e.g. after one unlucky
+    early rejection, get tested again instead of being ruled out for good.
+    """
+
+    def __init__(self, length: int, prior: float, decay: float, optimism: float):
+        self.rates = [prior] * length
+        self.seen = [0] * length  # observations per position
+        self.tested = 0  # positions 0..tested-1 have been observed at least once
+        self.decay, self.optimism = decay, optimism
+
+    def rate(self, position: int, optimistic: bool = False) -> float:
+        i = min(position, self.tested - 1) if self.tested else position
+        bonus = self.optimism / math.sqrt(self.seen[position] + 1) if optimistic else 0.0
+        return min(1.0, self.rates[i] + bonus)
+
+    def expected(self, proposals: int, optimistic: bool = False) -> float:
+        """Expected accepted tokens among the first ``proposals`` of a run."""
+        total, run = 0.0, 1.0
+        for i in range(min(proposals, len(self.rates))):
+            run *= self.rate(i, optimistic)
+            total += run
+        return total
+
+    def observe(self, tested: int, accepted: int) -> None:
+        """The first ``tested`` proposals were checked; the first ``accepted`` of them passed."""
+        for i in range(min(tested, len(self.rates))):
+            if 0 < self.tested <= i:  # first sight: start from the estimate it borrowed so far
+                self.rates[i] = self.rates[self.tested - 1]
+            self.seen[i] += 1
+            weight = max(1 - self.decay, 1 / (self.seen[i] + 1))
+            self.rates[i] += weight * ((1.0 if i < accepted else 0.0) - self.rates[i])
+        self.tested = max(self.tested, min(tested, len(self.rates)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step: ``block_size`` rows verified; proposals drafted (``draft``), copied (``copy``) or both merged."""
+
+    block_size: int
+    draft: bool
+    copy: bool
+
+    @property
+    def plain(self) -> bool:
+        return self.block_size == 1
+
+
+PLAIN = Plan(1, False, False)
+
+
+class BlockPolicy(Protocol):
+    """Plans each step from what earlier steps accepted (``decode.speculative_decode`` asks it)."""
+
+    max_block_size: int  # of drafted steps
+    copy_block_size: int  # of copy-only steps
+    acceptance: "Acceptance"
+
+    def plan(self, copy: Copy | None, merge: bool) -> Plan: ...
+
+    def record(self, plan: Plan, drafted: list[int] | None, copy: Copy | None, committed: list[int], seconds: float) -> None: ...
+
+
+class Acceptance:
+    """Run rates of each source: the drafter, and copies by how much context they matched."""
+
+    def __init__(self, draft_length: int, copy_length: int, prior: float, decay: float, optimism: float,
+                 copy_prior: float = 0.5):
+        self.drafter = RunRates(draft_length, prior, decay, optimism)
+        self.copies = [RunRates(copy_length, copy_prior, decay, optimism) for _ in COPY_MATCH_CLASSES]
+
+    def copy_rates(self, copy: Copy) -> RunRates:
+        return self.copies[sum(copy.match >= m for m in COPY_MATCH_CLASSES) - 1]
+
+    def record(self, drafted: list[int] | None, copy: Copy | None, committed: list[int]) -> None:
+        """What each source proposed this step against what was committed: the source not followed
+        is scored too (``copying.common_run``), so both keep learning from every step."""
+        if drafted is not None:
+            self.drafter.observe(*common_run(drafted, committed))
+        if copy is not None:
+            self.copy_rates(copy).observe(*common_run(copy.tokens, committed))
+
+
+class FixedBlockSize:
+    """Always ``block_size`` rows; copied tokens alone when copies are expected to be accepted at
+    least as far as drafts (the step then skips the drafter), merged with the draft otherwise."""
+
+    def __init__(self, block_size: int, prior: float = 0.6, decay: float = 0.8, optimism: float = 0.3):
+        self.max_block_size = self.copy_block_size = block_size
+        self.acceptance = Acceptance(max(block_size - 1, 1), max(block_size - 1, 1), prior, decay, optimism)
+
+    def plan(self, copy: Copy | None, merge: bool) -> Plan:
+        B, a = self.max_block_size, self.acceptance
+        if B == 1:
+            return PLAIN
+        if copy is not None and a.copy_rates(copy).expected(B - 1, True) >= a.drafter.expected(B - 1, True):
+            return Plan(B, draft=False, copy=True)
+        return Plan(B, draft=True, copy=copy is not None and merge)
+
+    def record(self, plan: Plan, drafted, copy, committed, seconds) -> None:
+        self.acceptance.record(drafted, copy, committed)
+
+
+class AdaptiveBlockSize:
+    """A ``BlockPolicy`` maximising expected tokens per second.
+
+    prior / decay / optimism: of the drafter's ``RunRates``. probe_every: after this many plain
+    steps, run one speculative step to refresh the acceptance estimates. copy_block_size: the
+    largest copy-only block (default: ``COPY_BLOCK_SIZE`` or the drafted maximum if larger).
 
     timed: let observed step times rescale the calibrated cost of each block
     size used (``drift``), so choices follow what this generation really costs,
@@ -174,73 +291,84 @@ class AdaptiveBlockSize:
         probe_every: int = 16,
         timed: bool = False,
         optimism: float = 0.3,
+        copy_block_size: int | None = None,
     ):
         self.curve, self.max_block_size = curve, max_block_size
-        self.rates = [prior] * (max_block_size - 1)
-        self.seen = [0] * (max_block_size - 1)  # observations per position
-        self.tested = 0  # positions 0..tested-1 have been observed at least once
+        # Copy-only steps run no drafter, so the drafter's block does not bound them.
+        self.copy_block_size = copy_block_size or max(max_block_size, COPY_BLOCK_SIZE)
+        longest = max(max_block_size, self.copy_block_size) - 1
+        self.acceptance = Acceptance(max(max_block_size - 1, 1), max(longest, 1), prior, decay, optimism)
         self.decay, self.probe_every = decay, probe_every
         self.plain_steps = probe_every - 1  # due for a probe: the prior alone must not rule speculation out
-        self.timed, self.optimism = timed, optimism
+        self.timed = timed
         self.drift: dict[int, float] = {}  # block size -> observed / calibrated seconds
 
-    def rate(self, position: int, optimistic: bool = False) -> float:
-        i = min(position, self.tested - 1) if self.tested else position
-        bonus = self.optimism / math.sqrt(self.seen[position] + 1) if optimistic else 0.0
-        return min(1.0, self.rates[i] + bonus)
-
     def expected_tokens(self, block_size: int, optimistic: bool = False) -> float:
-        total, run = 1.0, 1.0
-        for i in range(block_size - 1):
-            run *= self.rate(i, optimistic)
-            total += run
-        return total
+        """Expected tokens of a drafted step (the anchor's bonus token included)."""
+        return 1.0 + self.acceptance.drafter.expected(block_size - 1, optimistic)
 
-    def step_seconds(self, block_size: int) -> float:
+    def step_seconds(self, block_size: int, draft: bool = True) -> float:
         if not self.drift:
-            return self.curve.step_seconds(block_size)
+            return self.curve.step_seconds(block_size, draft)
         nearest = min(self.drift, key=lambda b: (abs(b - block_size), b))
-        return self.curve.step_seconds(block_size) * self.drift[nearest]
+        return self.curve.step_seconds(block_size, draft) * self.drift[nearest]
 
     def tokens_per_second(self, block_size: int, optimistic: bool = False) -> float:
         return self.expected_tokens(block_size, optimistic) / self.step_seconds(block_size)
 
     def best(self, smallest: int = 1) -> int:
-        """The block size to use next: highest optimistic expected tokens per second."""
+        """The drafted block size to use next: highest optimistic expected tokens per second."""
         return max(range(smallest, self.max_block_size + 1), key=lambda b: self.tokens_per_second(b, True))
 
-    def next_block_size(self) -> int:
-        B = self.best()
-        if B > 1 or self.max_block_size == 1:
+    def plan(self, copy: Copy | None, merge: bool) -> Plan:
+        drafter = self.acceptance.drafter
+        copies = self.acceptance.copy_rates(copy) if copy is not None else None
+        options = [(1.0 / self.step_seconds(1), PLAIN)]
+        for B in range(2, self.max_block_size + 1):
+            gain = drafter.expected(B - 1, True)
+            if copies is not None and merge:  # the merge follows the better source after they differ
+                gain = max(gain, copies.expected(B - 1, True))
+            options.append(((1 + gain) / self.step_seconds(B), Plan(B, True, copies is not None and merge)))
+        if copies is not None:
+            for B in range(2, self.copy_block_size + 1):
+                gain = copies.expected(B - 1, True)
+                options.append(((1 + gain) / self.step_seconds(B, draft=False), Plan(B, False, True)))
+        plan = max(options, key=lambda option: option[0])[1]
+        if not plan.plain or self.max_block_size == 1:
             self.plain_steps = 0
-            return B
+            return plan
         self.plain_steps += 1
         if self.plain_steps < self.probe_every:
-            return 1
+            return PLAIN
         self.plain_steps = 0
-        return self.best(smallest=2)
+        return max(options[1:], key=lambda option: option[0])[1]
+
+    def next_block_size(self) -> int:
+        """The next drafted block size when there is nothing to copy."""
+        return self.plan(None, False).block_size
+
+    def record(self, plan: Plan, drafted, copy, committed, seconds) -> None:
+        self.acceptance.record(drafted, copy, committed)
+        self._time(plan, seconds)
 
     def observe(self, block_size: int, accepted: int, seconds: float | None = None) -> None:
-        # Proposal i was tested only if all before it were accepted.
-        observed = min(accepted + 1, block_size - 1)
-        for i in range(observed):
-            if 0 < self.tested <= i:  # first sight: start from the estimate it borrowed so far
-                self.rates[i] = self.rates[self.tested - 1]
-            hit = 1.0 if i < accepted else 0.0
-            # Averaged with the prior while there are few observations, an EMA after.
-            self.seen[i] += 1
-            weight = max(1 - self.decay, 1 / (self.seen[i] + 1))
-            self.rates[i] += weight * (hit - self.rates[i])
-        self.tested = max(self.tested, observed)
-        if self.timed and seconds is not None:
-            ratio = seconds / self.curve.step_seconds(block_size)
-            if block_size not in self.drift:
-                self.drift[block_size] = ratio
-            else:
-                # Clipped: one slow step (the drafter absorbing a whole prompt, a
-                # busy spell) must not rule a block size out for long.
-                d = self.drift[block_size]
-                self.drift[block_size] = self.decay * d + (1 - self.decay) * min(ratio, 2 * d)
+        """A drafted step of ``block_size`` rows whose first ``accepted`` proposals passed."""
+        if block_size > 1:
+            self.acceptance.drafter.observe(min(accepted + 1, block_size - 1), accepted)
+        self._time(Plan(block_size, block_size > 1, False), seconds)
+
+    def _time(self, plan: Plan, seconds: float | None) -> None:
+        if not self.timed or seconds is None:
+            return
+        B = plan.block_size
+        ratio = seconds / self.curve.step_seconds(B, plan.draft)
+        if B not in self.drift:
+            self.drift[B] = ratio
+        else:
+            # Clipped: one slow step (the drafter absorbing a whole prompt, a
+            # busy spell) must not rule a block size out for long.
+            d = self.drift[B]
+            self.drift[B] = self.decay * d + (1 - self.decay) * min(ratio, 2 * d)
 
 
 def make_policy(
@@ -249,6 +377,9 @@ def make_policy(
     """An adaptive block-size policy for one generation (pass it as ``block_size``).
 
     Calibrates the model on first use (a second or so on small models); keyword
-    arguments go to ``AdaptiveBlockSize``.
+    arguments go to ``AdaptiveBlockSize``. A ``max_block_size`` given bounds copy-only
+    blocks too.
     """
+    if max_block_size is not None:
+        kwargs.setdefault("copy_block_size", max_block_size)
     return AdaptiveBlockSize(cost_curve(model, use_metal), max_block_size or model.block_size, **kwargs)

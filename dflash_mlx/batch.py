@@ -39,6 +39,7 @@ from . import kernels
 from .adaptive import AdaptiveBlockSize
 from .batch_adaptive import BatchBlockSize, make_batch_policy
 from .decode import LogitsProcessor, apply_processors
+from .drafter import Drafter
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
 from .ragged import RaggedKVCache
@@ -154,6 +155,10 @@ class BatchEngine:
         self.block_size = self.policy.max_block_size if self.policy else block_size or model.block_size
         self.prefill_step_size = prefill_step_size
         reason = self.target.cache_policy.batch_refusal
+        # DFlash2 picks each proposal given the one before with the row's own sampler.
+        self.picks_in_order = self.drafter.architecture != Drafter.architecture
+        if self.picks_in_order:
+            reason = f"{self.drafter.architecture} drafters pick proposals row by row"
         if completion_batch_size == 1:
             reason = "completion_batch_size is 1"
         self.max_rows = 1 if reason else completion_batch_size
@@ -262,7 +267,7 @@ class BatchEngine:
             logits, hidden = self.target.prefill(mx.array(chunk), request.cache, self.prefill_step_size)
             # The drafter takes the chunk as context now, under a throw-away one-token block.
             block = self.target.embed(mx.array([[self.mask_id]]))
-            self.drafter.draft_rows(block, hidden, request.draft_cache, self.head, self.ops)
+            self.drafter(block, hidden, request.draft_cache, self.head, self.ops)
             done = request.prefilled == len(request.prompt)
             token, logprob = self._first_token(request, logits) if done else (None, None)
             mx.eval(token, logprob, [c.state for c in request.cache], [c.state for c in request.draft_cache])
@@ -363,8 +368,13 @@ class BatchEngine:
         ])
         for c in self.draft_cache:
             c.prepare([width - n for n in counts])
-        draft_logits = self.drafter.draft_rows(embeddings, context, self.draft_cache, self.head, self.ops)
-        drafts = [r.strategy.propose(draft_logits[i], r.subkey()) for i, r in enumerate(rows)]
+        if self.picks_in_order:  # one row (see __init__)
+            tokens, q, _ = self.drafter.propose(embeddings, anchors[:, 0], context, self.draft_cache, self.head,
+                                                _KeyedPicks(rows[0]))
+            drafts = [(tokens[0], None if q is None else q[0])]
+        else:
+            draft_logits = self.drafter(embeddings, context, self.draft_cache, self.head, self.ops)
+            drafts = [r.strategy.propose(draft_logits[i], r.subkey()) for i, r in enumerate(rows)]
         for r in rows:
             r.context = []
         return mx.stack([p for p, _ in drafts]), [q for _, q in drafts]
@@ -383,6 +393,17 @@ class BatchEngine:
                 return False
         request.anchor = tokens[-1]
         return True
+
+
+class _KeyedPicks:
+    """A request's strategy as ``Drafter.propose`` calls it, each pick from the request's own
+    random stream."""
+
+    def __init__(self, request: _Request):
+        self.request, self.ops = request, request.strategy.ops
+
+    def propose(self, scores: mx.array) -> tuple[mx.array, mx.array | None]:
+        return self.request.strategy.propose(scores, self.request.subkey())
 
 
 def _logprobs(logits: mx.array, tokens: mx.array) -> mx.array:

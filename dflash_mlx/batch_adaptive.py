@@ -58,29 +58,41 @@ def row_cost_curve(model: DFlashModel, use_metal: bool | None = None) -> RowCost
     return _curves[model]
 
 
-class BatchBlockSize(AdaptiveBlockSize):
-    """``AdaptiveBlockSize``'s choice (optimistic rates, plain steps with probes)
-    made for a whole batch: ``next_block_size(trackers)`` is given one acceptance
-    tracker per running row (from ``track``), which the engine feeds each row's
-    own outcome. The policy's own acceptance estimates are not used.
+class BatchBlockSize:
+    """The block size of each batch step: the B with the most optimistic expected tokens per
+    second summed over the running rows (``next_block_size(trackers)``, one ``AdaptiveBlockSize``
+    per row from ``track``, which the engine feeds that row's own outcomes). As for one row, a
+    run of ``probe_every`` plain steps is followed by a speculative one, so a low prior or an
+    unlucky start cannot rule speculation out for good.
     """
 
     def __init__(self, curve: RowCostCurve, max_block_size: int, probe_every: int = 16, **row_kwargs):
-        super().__init__(curve.curves[min(curve.curves)], max_block_size, probe_every=probe_every)
-        self.row_curve, self.row_kwargs = curve, row_kwargs
-        self.trackers: list[AdaptiveBlockSize] = []
+        self.row_curve, self.max_block_size, self.probe_every = curve, max_block_size, probe_every
+        self.row_kwargs = row_kwargs
+        self.plain_steps = probe_every - 1  # due for a probe, as a single row is
 
     def track(self) -> AdaptiveBlockSize:
         """A new row's acceptance tracker (prior, decay and optimism from ``row_kwargs``)."""
-        return AdaptiveBlockSize(self.curve, self.max_block_size, **self.row_kwargs)
+        return AdaptiveBlockSize(self.row_curve.curves[min(self.row_curve.curves)], self.max_block_size,
+                                 **self.row_kwargs)
 
-    def tokens_per_second(self, block_size: int, optimistic: bool = False) -> float:
-        expected = sum(t.expected_tokens(block_size, optimistic) for t in self.trackers)
-        return expected / self.row_curve.step_seconds(len(self.trackers), block_size)
+    def tokens_per_second(self, trackers: list[AdaptiveBlockSize], block_size: int) -> float:
+        expected = sum(t.expected_tokens(block_size, True) for t in trackers)
+        return expected / self.row_curve.step_seconds(len(trackers), block_size)
 
-    def next_block_size(self, trackers: list[AdaptiveBlockSize]) -> int:  # type: ignore[override]
-        self.trackers = trackers
-        return super().next_block_size()
+    def next_block_size(self, trackers: list[AdaptiveBlockSize]) -> int:
+        def best(smallest: int) -> int:
+            return max(range(smallest, self.max_block_size + 1), key=lambda b: self.tokens_per_second(trackers, b))
+
+        B = best(1)
+        if B > 1 or self.max_block_size == 1:
+            self.plain_steps = 0
+            return B
+        self.plain_steps += 1
+        if self.plain_steps < self.probe_every:
+            return 1
+        self.plain_steps = 0
+        return best(2)
 
 
 def make_batch_policy(

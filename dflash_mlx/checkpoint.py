@@ -50,6 +50,29 @@ def read_config(path: Path, what: str = "model") -> dict[str, Any]:
     return config
 
 
+def safetensors_problem(file: Path) -> str | None:
+    """Why ``file`` is not a complete safetensors file (read from its header alone), or None."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+            if not 0 < n <= size - 8:
+                return "its header is missing or cut off"
+            header = json.loads(f.read(n))
+        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        return f"its header is unreadable ({type(e).__name__})"
+    needed = 8 + n + max(ends, default=0)
+    return None if size >= needed else f"it is truncated ({size} of {needed} bytes)"
+
+
+def check_weights(path: Path, what: str) -> None:
+    """Refuse a checkpoint folder whose weight files are cut off, before anything reads them."""
+    for f in sorted(path.glob("model*.safetensors")):
+        if (problem := safetensors_problem(f)) is not None:
+            raise DFlashError(f"{what} weights {f} are not usable: {problem}; fix: re-download or re-convert the {what}")
+
+
 def load_weights(path: Path, what: str = "drafter") -> dict[str, mx.array]:
     # model*.safetensors, as mlx_lm reads: other safetensors in the folder are not weights.
     files = sorted(glob.glob(str(path / "model*.safetensors")))

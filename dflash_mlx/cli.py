@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import DFlashError
-from .flags import add_block_arguments, add_pair_arguments, add_sampling_arguments, resolve_pair
+from .flags import (add_block_arguments, add_pair_arguments, add_sampling_arguments, add_sharding_arguments,
+                    positive_int, resolve_pair, seed_arg)
 
 # subcommand -> (module exposing add_arguments(parser) and run(args), help)
 SUBCOMMANDS = {
@@ -23,23 +25,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_pair_arguments(p)
     p.add_argument("--prompt", "-p", default="hello", help="Message for the model ('-' reads stdin)")
     p.add_argument("--system", "--system-prompt", dest="system", help="System prompt")
-    p.add_argument("--max-tokens", "-m", type=int, default=256, help="Maximum tokens to generate")
+    p.add_argument("--max-tokens", "-m", type=positive_int, default=256, help="Maximum tokens to generate")
     add_sampling_arguments(p)
-    p.add_argument("--seed", type=int, default=None, help="Random seed for sampling")
+    p.add_argument("--seed", type=seed_arg, default=None, help="Random seed for sampling (any 64-bit integer)")
     add_block_arguments(p)
+    add_sharding_arguments(p)
     p.add_argument("--extra-eos-token", nargs="*", default=[], help="More stop tokens (strings)")
     p.add_argument("--ignore-chat-template", action="store_true", help="Feed the prompt as-is")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="Print stats after the text (default: True)")
 
 
+def _utf8(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode (argv keeps undecodable bytes as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DFlashError(f"{what} is not valid UTF-8 (at character {e.start}); fix: pass UTF-8 text") from None
+    return text
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt != "-":
+        return _utf8(args.prompt, "--prompt")
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DFlashError(
+            f"the prompt on stdin is not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); "
+            "fix: convert it, e.g. with iconv -t UTF-8"
+        ) from None
+
+
 def _build_prompt(tokenizer, args: argparse.Namespace) -> str:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if args.ignore_chat_template or tokenizer.chat_template is None:
-        return prompt if args.system is None else f"{args.system}\n\n{prompt}"
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    from .request import render_chat
+
+    prompt = _read_prompt(args)
+    system = None if args.system is None else _utf8(args.system, "--system")
+    if args.ignore_chat_template or not tokenizer.has_chat_template:
+        return prompt if system is None else f"{system}\n\n{prompt}"
+    messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        return render_chat(tokenizer, messages)
+    except DFlashError as e:
+        fix = "drop --system or pass --ignore-chat-template" if system else "pass --ignore-chat-template"
+        raise DFlashError(f"{e}; fix: {fix}") from None
 
 
 def run(args: argparse.Namespace) -> None:
@@ -47,10 +79,12 @@ def run(args: argparse.Namespace) -> None:
 
     from .generation import stream_generate
     from .model import load
+    from .protocol import check_flags
     from .stats import format_stats
 
+    check_flags(args)
     resolve_pair(args)
-    model, tokenizer = load(args.model, args.draft)
+    model, tokenizer = load(args.model, args.draft, pipeline=args.pipeline)
     stop_tokens = []
     for text in args.extra_eos_token:
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -72,6 +106,7 @@ def run(args: argparse.Namespace) -> None:
         block_size=args.block_size,
         stop_tokens=stop_tokens,
         draft_window=args.draft_window,
+        copy_proposals=args.copy_proposals,
     ):
         print(response.text, end="", flush=True)
     print()
@@ -80,9 +115,16 @@ def run(args: argparse.Namespace) -> None:
         print(format_stats(response))
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line and exit 1, like every other input error."""
+
+    def error(self, message: str):
+        self.exit(1, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dflash-mlx", description="Lossless DFlash speculative decoding for MLX."
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,13 +135,16 @@ def main(argv: list[str] | None = None) -> None:
     # broken optional module cannot take the other subcommands down.
     module_name, help = SUBCOMMANDS[command]
     module = importlib.import_module(module_name)
-    sub_parser = argparse.ArgumentParser(prog=f"dflash-mlx {command}", description=help)
+    sub_parser = Parser(prog=f"dflash-mlx {command}", description=help)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(argv[1:])
     try:
         module.run(args)
     except DFlashError as e:
-        print(f"dflash-mlx {command}: error: {e}", file=sys.stderr)
+        # Under mlx.launch every rank may fail; say which one (only rank 0 runs past loading).
+        rank = os.environ.get("MLX_RANK", "0")
+        where = "" if rank == "0" else f" (rank {rank})"
+        print(f"dflash-mlx {command}: error{where}: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

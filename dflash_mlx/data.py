@@ -17,6 +17,7 @@ Prompt sources (``--prompts``, repeatable, mixed round-robin):
 from __future__ import annotations
 
 import ast
+import hashlib
 import itertools
 import json
 import random
@@ -24,7 +25,11 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+import mlx.core as mx
+import numpy as np
+
 from .errors import DFlashError
+from .target import Target
 
 # Benchmarks draw GSM8K prompts from the start of the file; training never sees these.
 GSM8K_HELD_OUT = 1000
@@ -183,3 +188,118 @@ def generate_responses(
                         progress.update(1)
     gen.close()
     return read_records(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors for training: sequences, target hidden states, anchor batches, the draft vocabulary
+
+
+def sequences(records: list[dict], eos: int, max_tokens: int) -> list[tuple[np.ndarray, int]]:
+    """(tokens, answer start) per record; answers cut by max_tokens didn't see EOS."""
+    out = []
+    for r in records:
+        answer = r["response_ids"] + ([eos] if len(r["response_ids"]) < max_tokens else [])
+        if len(answer) >= 2:
+            out.append((np.array(r["prompt_ids"] + answer, np.int32), len(r["prompt_ids"])))
+    return out
+
+
+def compute_hidden(target: Target, seqs: list[tuple[np.ndarray, int]], batch: int = 8, progress=None) -> list[mx.array]:
+    """Target hidden states (T, k*H) per sequence, stored in bfloat16 to halve memory.
+
+    Only the hidden states are evaluated, so MLX skips the LM head and the layers
+    after the last tapped one. Right padding cannot change earlier rows (causal).
+    """
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+    hidden: list[mx.array | None] = [None] * len(seqs)
+    for start in range(0, len(order), batch):
+        idx = order[start : start + batch]
+        T = max(len(seqs[i][0]) for i in idx)
+        tokens = np.zeros((len(idx), T), np.int32)
+        for row, i in enumerate(idx):
+            tokens[row, : len(seqs[i][0])] = seqs[i][0]
+        _, h = target(mx.array(tokens), None)
+        h = h.astype(mx.bfloat16)
+        mx.eval(h)
+        for row, i in enumerate(idx):
+            hidden[i] = h[row, : len(seqs[i][0])]
+        if progress is not None:
+            progress.update(len(idx))
+    return hidden
+
+
+def _sequence_key(tokens: np.ndarray) -> str:
+    return hashlib.sha1(tokens.astype(np.int32).tobytes()).hexdigest()
+
+
+def cached_hidden(folder: Path, target: Target, seqs: list[tuple[np.ndarray, int]], progress=None,
+                  shard_size: int = 128) -> list[mx.array]:
+    """Hidden states of ``seqs``, running the target only over sequences ``folder`` lacks.
+
+    Entries are keyed by a hash of their tokens, so a run given more prompts (or
+    resumed) pays the target pass for the new answers alone. New entries are
+    written as shards of ``shard_size`` sequences as they finish, so an
+    interrupted pass keeps what it computed. Shards of other tapped layers are ignored.
+    """
+    layers = json.dumps(target.layer_ids)
+    keys = [_sequence_key(t) for t, _ in seqs]
+    wanted = set(keys)  # a run with fewer prompts than the cache holds keeps only its own
+    cache: dict[str, mx.array] = {}
+    shards = sorted(folder.glob("hidden-*.safetensors"))
+    for shard in shards:
+        arrays, metadata = mx.load(str(shard), return_metadata=True)
+        if metadata.get("layers") == layers:
+            cache.update((k, v) for k, v in arrays.items() if k in wanted)
+    # Unique missing sequences, by length: a shard's batches then pad little.
+    missing = sorted({k: i for i, k in enumerate(keys) if k not in cache}.values(), key=lambda i: len(seqs[i][0]))
+    if progress is not None:
+        progress.reset(total=len(missing))
+    folder.mkdir(parents=True, exist_ok=True)
+    for n, start in enumerate(range(0, len(missing), shard_size), len(shards)):
+        chunk = missing[start : start + shard_size]
+        fresh = {keys[i]: h for i, h in zip(chunk, compute_hidden(target, [seqs[i] for i in chunk], progress=progress))}
+        tmp = folder / f"tmp-hidden-{n:05d}.safetensors"
+        mx.save_safetensors(str(tmp), fresh, metadata={"layers": layers})
+        tmp.rename(folder / f"hidden-{n:05d}.safetensors")  # whole shards only
+        cache.update(fresh)
+    return [cache[k] for k in keys]
+
+
+def make_batch(
+    seqs: list[tuple[np.ndarray, int]],
+    hidden: list[mx.array],
+    idx: list[int],
+    rng: np.random.Generator,
+    num_anchors: int,
+    block_size: int,
+) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
+    """Context (S,T,kH), block tokens (S,N,B), anchors (S,N), labels (S,N,B-1), label mask."""
+    S, B = len(idx), block_size
+    T = max(len(seqs[i][0]) for i in idx)
+    anchors = np.zeros((S, num_anchors), np.int32)
+    valid_anchor = np.zeros((S, num_anchors), bool)
+    labels = np.zeros((S, num_anchors, B - 1), np.int32)
+    valid = np.zeros((S, num_anchors, B - 1), bool)
+    for row, i in enumerate(idx):
+        tokens, answer = seqs[i]
+        # Anchors are answer tokens with at least one token after them, as at inference.
+        candidates = np.arange(answer, len(tokens) - 1)
+        chosen = np.sort(rng.choice(candidates, min(num_anchors, len(candidates)), replace=False))
+        anchors[row, : len(chosen)] = chosen
+        valid_anchor[row, : len(chosen)] = True
+        padded = np.concatenate([tokens, np.zeros(B, np.int32)])
+        for j, a in enumerate(chosen):
+            labels[row, j] = padded[a + 1 : a + B]
+            valid[row, j] = np.arange(a + 1, a + B) < len(tokens)
+    context = mx.stack([mx.pad(hidden[i], [(0, T - hidden[i].shape[0]), (0, 0)]) for i in idx]).astype(mx.float32)
+    first = np.take_along_axis(np.stack([np.pad(seqs[i][0], (0, T - len(seqs[i][0]))) for i in idx]), anchors, 1)
+    return context, mx.array(first), mx.array(anchors), mx.array(labels), mx.array(valid & valid_anchor[..., None])
+
+
+def draft_vocabulary(seqs: list[tuple[np.ndarray, int]], size: int, vocab_size: int) -> mx.array:
+    """The ``size`` token ids most frequent in the answers (ties: lower id), ascending."""
+    counts = np.zeros(vocab_size, np.int64)
+    for tokens, answer in seqs:
+        np.add.at(counts, tokens[answer:], 1)
+    top = np.lexsort((np.arange(vocab_size), -counts))[:size]
+    return mx.array(np.sort(top).astype(np.int32))

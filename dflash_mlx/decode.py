@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from .adaptive import BlockPolicy, FixedBlockSize, Plan
+from .copying import Copy, CopyIndex, merge
 from .drafter import Drafter
 from .errors import DFlashError
 from .sampling import Strategy
@@ -19,18 +21,12 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 @dataclass
 class Step:
     tokens: list[int]  # committed this step: accepted proposals, then the target's token
-    accepted: int  # how many of them were drafted
+    accepted: int  # how many of them were proposals (drafted or copied)
     draft_seconds: float = 0.0  # only measured with profile=True (costs one extra sync)
     verify_seconds: float = 0.0
-    block_size: int = 0  # rows verified this step (1: plain decoding, no draft)
-
-
-class BlockPolicy(Protocol):
-    """Chooses each step's block size from what earlier steps accepted."""
-
-    def next_block_size(self) -> int: ...
-
-    def observe(self, block_size: int, accepted: int, seconds: float) -> None: ...
+    block_size: int = 0  # rows verified this step (1: plain decoding, no proposals)
+    copied: int = 0  # how many of the accepted proposals were copied from earlier text
+    copies: int = 0  # how many of the block's proposals were copied
 
 
 @dataclass
@@ -95,70 +91,95 @@ def speculative_decode(
     prefill_step_size: int = 2048,
     profile: bool = False,
     prompt_cache: DecodeCache | None = None,
+    copy_proposals: bool = True,
 ) -> Iterator[Step]:
     """Yield the committed tokens of each step until ``max_tokens`` are produced.
 
-    Each step: the drafter proposes ``block_size - 1`` tokens after the anchor (the
-    last committed token) in one forward; the target verifies ``[anchor,
-    proposals]`` in one forward; the accepted prefix plus one target token is
-    committed; the target cache drops the rejected rows and the drafter gets the
-    hidden states of the committed rows as new context. One host sync per step.
+    Each step: the policy plans the block (``adaptive.py``); the drafter proposes ``B - 1``
+    tokens after the anchor (the last committed token) in one forward, and/or they are copied
+    from where the text last read as it ends now (``copying.py``); the target verifies
+    ``[anchor, proposals]`` in one forward; the accepted prefix plus one target token is
+    committed; the target cache drops the rejected rows and the drafter gets the hidden states
+    of the committed rows as new context. One host sync per step.
 
-    ``block_size`` is fixed or a ``BlockPolicy`` asked every step. ``prompt_cache``
-    carries the caches over from an earlier call; it is updated in place after
-    every step, so it stays valid when the caller stops early.
+    ``block_size`` is fixed or a ``BlockPolicy``. ``prompt_cache`` carries the caches over from
+    an earlier call; it is updated in place after every step, so it stays valid when the caller
+    stops early.
     """
     processors = logits_processors or []
-    ops = strategy.ops
-    policy = None if isinstance(block_size, int) else block_size
+    policy = FixedBlockSize(block_size) if isinstance(block_size, int) else block_size
     state = prompt_cache if prompt_cache is not None else DecodeCache.new(target, drafter)
     mask = mx.array([drafter.args.mask_token_id], mx.int32)
     head = target.head(drafter.vocab_rows)
 
     start = state.reuse(prompt.tolist(), target)
     cache, draft_cache = state.cache, state.draft_cache
-    logits, context = target.prefill(prompt[start:], cache, prefill_step_size)
+    logits, context = target.prefill(prompt[start:], cache, prefill_step_size, drafter.context_rows)
+    if (unseen := prompt.size - start - context.shape[1]) > 0:
+        for c in draft_cache:  # rows beyond every sliding window: positions only
+            c.skip(unseen)
     state.tokens.extend(prompt[start:].tolist())
     history = prompt
     if processors:
         logits = apply_processors(processors, prompt[:-1], prompt[-1:], logits)
     anchor = strategy.first(logits).reshape(1)
     last = anchor.item()
+    copies = CopyIndex(prompt.tolist() + [last]) if copy_proposals else None
     yield Step([last], 0)
     produced = 1
 
     while produced < max_tokens:
         tic = time.perf_counter()
-        B = min(policy.next_block_size() if policy else block_size, max_tokens - produced)
-        if B > 1:
+        room = max_tokens - produced  # rows past it would verify tokens never returned
+        copy = copies.suggest(min(room, max(policy.max_block_size, policy.copy_block_size)) - 1) if copies else None
+        plan = policy.plan(copy, strategy.deterministic)
+        B = min(plan.block_size, room)
+        if copy is not None:
+            copy = Copy(copy.tokens[: B - 1], copy.match) if B > 1 else None
+        drafted = from_copy = None
+        if B > 1 and plan.draft:
             block = mx.concatenate([anchor, mx.repeat(mask, B - 1)])
-            draft_logits = drafter(target.embed(block)[None], context, draft_cache, head, ops)
-            proposals, q = strategy.propose(draft_logits)
+            drafted, q, confidence = drafter.propose(target.embed(block)[None], anchor, context, draft_cache, head,
+                                                     strategy)
+            drafted, q, proposals = drafted[0], None if q is None else q[0], drafted[0]
+            if plan.copy:
+                rates = policy.acceptance.copy_rates(copy)
+                proposals, from_copy = merge(drafted, confidence[0], mx.array(copy.tokens, mx.int32),
+                                             mx.array([rates.rate(i) for i in range(B - 1)]))
+        elif B > 1:  # copy only: no drafter forward this step
+            proposals, q = mx.array(copy.tokens, mx.int32), None
+            from_copy = mx.ones((B - 1,), mx.bool_)
         else:
-            proposals, q = mx.zeros((0,), mx.int32), mx.zeros((0, target.vocab_size))
+            proposals, q = mx.zeros((0,), mx.int32), None
         if profile:
             mx.eval(proposals)
-        drafted = time.perf_counter()
+        else:  # the drafter computes while the host builds the verify graph
+            mx.async_eval(proposals)
+        drafted_at = time.perf_counter()
         block = mx.concatenate([anchor, proposals])
         logits, hidden = target(block[None], cache)
         logits = logits[0]
         if processors:
             logits = apply_processors(processors, history, block, logits)
         tokens, n = strategy.verify(logits, proposals, q)
-        mx.eval(tokens, n)
+        mx.eval(tokens, n, *(x for x in (drafted, from_copy) if x is not None))
         n = n.item()
         target.rollback(cache, B - 1 - n)
-        committed = tokens[: n + 1].tolist()
+        committed = tokens.tolist()[: n + 1]  # read once: slicing on the device would cost a second sync
         state.tokens += [last] + committed[:n]
         last = committed[-1]
         # Without a draft this step, the drafter has not consumed the pending context yet.
         new_context = hidden[:, : n + 1]
-        context = new_context if B > 1 else mx.concatenate([context, new_context], axis=1)
+        context = new_context if drafted is not None else mx.concatenate([context, new_context], axis=1)
         if processors:
             history = mx.concatenate([history, block[: n + 1]])
         anchor = tokens[n : n + 1]
         produced += n + 1
         done = time.perf_counter()
-        if policy:
-            policy.observe(B, n, done - tic)
-        yield Step(committed, n, drafted - tic, done - drafted, B)
+        if copies:
+            copies.extend(committed)
+        drafted = drafted.tolist() if drafted is not None else None
+        policy.record(Plan(B, drafted is not None, from_copy is not None), drafted, copy, committed, done - tic)
+        from_copy = from_copy.tolist() if from_copy is not None else []
+        yield Step(committed, n, drafted_at - tic, done - drafted_at, B, sum(from_copy[:n]), sum(from_copy))
+

@@ -35,6 +35,51 @@ def finite_float(text: str) -> float:
     return value
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def port_arg(text: str) -> int:
+    value = _integer(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port: use 0..65535 (0: any free port)")
+    return value
+
+
+INT64 = (-(2**63), 2**63 - 1)  # the seeds the OpenAI API allows
+
+
+def mlx_seed(seed: int) -> int:
+    """A 64-bit signed seed (clients send -1 for "random") as MLX's unsigned one, one to one."""
+    if not INT64[0] <= seed <= INT64[1]:
+        raise ValueError(f"seed {seed} is outside the 64-bit integer range [{INT64[0]}, {INT64[1]}]")
+    return seed % 2**64
+
+
+def seed_arg(text: str) -> int:
+    try:
+        return mlx_seed(_integer(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_pair_arguments(p: argparse.ArgumentParser, required: bool = False) -> None:
     """--model and --draft; optional ones default to the embedded SmolLM2 pair."""
     default = "" if required else " (default: the embedded SmolLM2-135M-Instruct pair)"
@@ -57,7 +102,7 @@ def resolve_pair(args: argparse.Namespace) -> None:
 def add_sampling_arguments(p: argparse.ArgumentParser, temp_help: str = "Sampling temperature (0: greedy)") -> None:
     p.add_argument("--temp", type=finite_float, default=0.0, help=temp_help)
     p.add_argument("--top-p", type=finite_float, default=1.0, help="Sampling top-p")
-    p.add_argument("--top-k", type=int, default=0, help="Sampling top-k (0: off)")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="Sampling top-k (0: off)")
     p.add_argument("--min-p", type=finite_float, default=0.0, help="Sampling min-p (0: off)")
 
 
@@ -68,3 +113,12 @@ def add_block_arguments(p: argparse.ArgumentParser) -> None:
                         "from the measured verify cost and the running acceptance")
     p.add_argument("--draft-window", type=draft_window_arg, default=None, metavar="KEEP:RECENT",
                    help="Bound the drafter's context to the first KEEP and last RECENT tokens (long prompts)")
+    p.add_argument("--no-copy-proposals", dest="copy_proposals", action="store_false",
+                   help="Propose drafted tokens only, never tokens copied from earlier in the prompt or output")
+
+
+def add_sharding_arguments(p: argparse.ArgumentParser) -> None:
+    """How the target is split across the ranks of ``mlx.launch`` (ignored by a single process)."""
+    p.add_argument("--pipeline", action="store_true",
+                   help="Under mlx.launch: give each rank a run of the target's layers (pipeline parallel) "
+                        "instead of a slice of every layer (tensor parallel, the default where mlx_lm can)")

@@ -66,6 +66,7 @@ def stream_generate(
     prefill_step_size: int = 2048,
     draft_window: tuple[int, int] | None = None,
     prompt_cache: DecodeCache | None = None,
+    copy_proposals: bool = True,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text with DFlash, yielding one response per token like mlx_lm.
 
@@ -79,16 +80,20 @@ def stream_generate(
     ``block_size="auto"`` picks each step's block (up to the drafter's) from the
     measured cost curve and the running acceptance (``adaptive.py``); pass an
     ``AdaptiveBlockSize`` (``adaptive.make_policy``) to tune the policy.
-    ``draft_window=(keep, recent)`` bounds the drafter's context for long
-    prompts. ``prompt_cache`` (a ``DecodeCache``) reuses the caches of an
-    earlier call whose tokens the new prompt extends; it is updated in place.
+    ``copy_proposals`` (on by default) lets tokens copied from earlier in the
+    prompt or the output stand in for, or merge with, the drafter's proposals
+    where they are expected to be accepted further (``copying.py``); the stats
+    count the accepted tokens of each source. ``draft_window=(keep, recent)``
+    bounds the drafter's context for long prompts. ``prompt_cache`` (a
+    ``DecodeCache``) reuses the caches of an earlier call whose tokens the new
+    prompt extends; it is updated in place.
     """
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
     policy = block_size if isinstance(block_size, AdaptiveBlockSize) else None
     if block_size == "auto":
         policy = make_policy(model, use_metal=use_metal)
-    block_size = policy.max_block_size if policy else model.block_size if block_size is None else block_size
+    block_size = max(policy.max_block_size, policy.copy_block_size) if policy else model.block_size if block_size is None else block_size
     if not isinstance(block_size, int):
         raise DFlashError(f"block size {block_size!r} is not an integer or 'auto'")
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
@@ -100,7 +105,9 @@ def stream_generate(
     ops = kernels.get_ops(use_metal)
     strategy = make_strategy(params, sampler, ops)
     stops = set(tokenizer.eos_token_ids) | set(stop_tokens)
-    stats = SpeculativeStats(block_size, ops.path, adaptive=policy is not None, kernel_fallbacks=ops.fallbacks)
+    start_record = getattr(model.target, "start_record", None)  # a sharded target (distributed.Driver)
+    stats = SpeculativeStats(block_size, ops.path, adaptive=policy is not None, kernel_fallbacks=ops.fallbacks,
+                             copy_proposals=copy_proposals, sharding=start_record() if start_record else None)
     if prompt_cache is None:
         prompt_cache = DecodeCache.new(model.target, model.drafter, draft_window)
     detokenizer = tokenizer.detokenizer
@@ -116,13 +123,13 @@ def stream_generate(
         logits_processors=logits_processors,
         prefill_step_size=prefill_step_size,
         prompt_cache=prompt_cache,
+        copy_proposals=copy_proposals,
     )
 
     def tokens():
         for i, step in enumerate(steps):
             if i:  # step 0 is the prefill's token, not a draft-verify step
-                stats.acceptance_lengths.append(len(step.tokens))
-                stats.block_sizes.append(step.block_size)
+                stats.record(step)
             for j, token in enumerate(step.tokens):
                 yield token, j < step.accepted
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import mlx.core as mx
+import numpy as np
 from tqdm import tqdm
 
 from dflash_mlx.errors import DFlashError
@@ -113,12 +114,11 @@ class GGUFFile:
 
     def _check_tensor_types(self) -> None:
         gguf = _require_gguf()
-        supported = set(gguf.quants._type_traits) | {
-            gguf.GGMLQuantizationType.F32,
-            gguf.GGMLQuantizationType.F16,
-        }
+        decodable: dict[Any, bool] = {}
         for t in self.reader.tensors:
-            if t.tensor_type not in supported:
+            if t.tensor_type not in decodable:
+                decodable[t.tensor_type] = _can_dequantize(gguf, t.tensor_type)
+            if not decodable[t.tensor_type]:
                 raise DFlashError(
                     f"GGUF tensor {t.name} has type {t.tensor_type.name}, which cannot be "
                     "dequantized; fix: use a GGUF with F32/F16/Q*_0/Q*_1/K-quant tensors"
@@ -291,11 +291,32 @@ class GGUFFile:
             if v is not None
         }
 
+    def export(self, folder: Path) -> dict:
+        """Write the file as an HF-layout float32 folder mlx_lm loads (config, weights, tokenizer);
+        returns the config. float32 holds every dequantized GGUF weight exactly."""
+        config = {**self.config(), "torch_dtype": "float32"}
+        folder.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(folder / "model.safetensors"), dict(self.weights(config, mx.float32)), metadata={"format": "mlx"})
+        write_json(folder / "config.json", config)
+        write_json(folder / "generation_config.json", self.generation_config())
+        self.write_tokenizer(folder)
+        return config
+
     def describe(self) -> str:
         """One line for the model card: name, architecture and stored tensor types."""
         name = self._field("general.name", self.path.stem)
         types = ", ".join(f"{k} x{v}" for k, v in sorted(self.tensor_types.items()))
         return f"{name} (GGUF, {self.architecture}; tensors: {types})"
+
+
+def _can_dequantize(gguf: Any, qtype: Any) -> bool:
+    """Whether the gguf package can decode ``qtype``: dequantize one all-zero block of it."""
+    _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros((block_bytes,), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _mlx_name(gguf_name: str, path: Path) -> str:

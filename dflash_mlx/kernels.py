@@ -23,23 +23,30 @@ from .errors import DFlashError
 
 
 def block_attention_twin(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, sliding_window: int | None
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, sliding_window: int | None, causal: bool = False
 ) -> mx.array:
     """Attention of the drafter's block queries over ``[context ; block]``.
 
-    q: (1, n_heads, L, D), the block rows at absolute positions S-L .. S-1.
-    k, v: (1, n_kv_heads, S, D), context rows at positions 0 .. S-L-1 followed by
-    the block. Full attention (``sliding_window=None``) needs no mask: the block is
-    bidirectional and sees all context. A sliding-window layer lets query position
-    i see key position j iff ``j <= i and i - j < sliding_window``.
+    q: (B, n_heads, L, D), the block rows at positions S-L .. S-1.
+    k, v: (B, n_kv_heads, S, D), the context rows (in position order, ending
+    at position S-L-1) followed by the block. Block row i sees:
+    - context key j iff ``sliding_window`` is None or ``(S-L+i) - j < sliding_window``
+      (a true sliding window over positions: row 0 sees the last W-1 context
+      rows, row i the last W-1-i);
+    - block key S-L+j for every j, or only j <= i when ``causal``.
+    With neither a window nor causality there is no mask: the block is
+    bidirectional and sees all context.
     """
-    if sliding_window is None:
+    if sliding_window is None and not causal:
         mask = None
     else:
         L, S = q.shape[2], k.shape[2]
         qpos = mx.arange(S - L, S)[:, None]
         kpos = mx.arange(S)[None]
-        mask = (kpos <= qpos) & (qpos - kpos < sliding_window)
+        in_context = kpos < S - L
+        sees_context = in_context if sliding_window is None else in_context & (qpos - kpos < sliding_window)
+        sees_block = ~in_context if not causal else ~in_context & (kpos <= qpos)
+        mask = sees_context | sees_block
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -215,6 +222,7 @@ def plan_block_attention(
     *,
     scale: float,
     sliding_window: int | None,
+    causal: bool = False,
     simdgroups: int = ATTENTION_SIMDGROUPS,
 ) -> Launch:
     """Launch of metal/block_attention.metal; same contract as ``block_attention_twin``."""
@@ -229,7 +237,7 @@ def plan_block_attention(
         raise KernelUnsupported(f"{n_heads} heads over {n_kv_heads} kv heads, L={L}, S={S}")
     if sliding_window is not None and sliding_window < 1:
         raise KernelUnsupported(f"sliding_window {sliding_window}")
-    params = mx.array([L, S, n_heads // n_kv_heads, sliding_window or 0], mx.int32)
+    params = mx.array([L, S, n_heads // n_kv_heads, sliding_window or 0, int(causal)], mx.int32)
     return Launch(
         "block_attention",
         (q, k, v, params, mx.array([scale], mx.float32)),
@@ -315,15 +323,15 @@ def make_ops(
     it is a few scalar ops on B - 1 tokens, nothing for a kernel to fuse."""
     fallbacks: set[str] = set()
 
-    def block_attention(q, k, v, *, scale, sliding_window):
+    def block_attention(q, k, v, *, scale, sliding_window, causal=False):
         try:
             launch = plan_block_attention(
-                q, k, v, scale=scale, sliding_window=sliding_window,
+                q, k, v, scale=scale, sliding_window=sliding_window, causal=causal,
                 simdgroups=attention_simdgroups,
             )
         except KernelUnsupported as e:
             fallbacks.add(f"block attention: {e}")
-            return block_attention_twin(q, k, v, scale=scale, sliding_window=sliding_window)
+            return block_attention_twin(q, k, v, scale=scale, sliding_window=sliding_window, causal=causal)
         return run(launch)[0]
 
     def greedy_accept(logits, proposals):

@@ -96,21 +96,22 @@ class RaggedKVCache:
             mask &= key > query - window
         return mask[:, None]
 
-    def block_mask(self, L: int, sliding_window: int | None) -> mx.array:
+    def block_mask(self, L: int, sliding_window: int | None, causal: bool = False) -> mx.array:
         """The drafter block's visibility per row, (R, 1, L, S), after its forward.
 
-        Each row's block is its last ``L`` keys, at positions start..start+L-1.
-        The rule per row is ``kernels.block_attention_twin``'s: full-attention
-        layers see all context and the whole block; a sliding-window layer lets
-        position i see key j iff ``j <= i and i - j < sliding_window``.
+        Each row's block is its last ``L`` keys, at positions start..start+L-1. The rule per
+        row is ``kernels.block_attention_twin``'s: a block row sees the context within the
+        sliding window (all of it without one) and the whole block (only up to itself when
+        ``causal``).
         """
         lengths = mx.array(self.lengths)[:, None, None]
         key = mx.arange(max(self.lengths))
-        mask = mx.broadcast_to(key < lengths, (len(self.lengths), L, key.size))
-        if sliding_window is not None:
-            query = lengths - L + mx.arange(L)[:, None]
-            mask = mask & (key <= query) & (query - key < sliding_window)
-        return mask[:, None]
+        query = lengths - L + mx.arange(L)[:, None]
+        in_context = key < lengths - L
+        sees_context = in_context if sliding_window is None else in_context & (query - key < sliding_window)
+        in_block = ~in_context & (key < lengths)
+        sees_block = in_block & (key <= query) if causal else in_block
+        return (sees_context | sees_block)[:, None]
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens of every row."""

@@ -207,6 +207,9 @@ class CachePolicy:
              if "cache.lengths" not in inspect.getsource(type(m).__call__)),
             None,
         )
+        # Whether rollback reaches only into the last forward; a sharded target sets it
+        # when any rank holds such layers, so that every rank refuses the same rollbacks.
+        self.restricted = bool(self.mixers or self.windows)
         self._records: list[tuple[int, ArraysCache, tuple, dict]] = []
         self._rows = 0
         self._cache: list | None = None
@@ -254,7 +257,7 @@ class CachePolicy:
         """
         if not num_tokens:
             return
-        if (self.mixers or self.windows) and (cache is not self._cache or num_tokens > self._rows):
+        if self.restricted and (cache is not self._cache or num_tokens > self._rows):
             # Recurrent state and dropped window rows exist only for the last forward.
             raise DFlashError(
                 f"cannot roll back {num_tokens} tokens on a {self.model_type!r} target: its "

@@ -11,6 +11,10 @@ Three strategies, all lossless:
 Every method takes an optional PRNG ``key`` (the batch engine gives each request
 its own); without one, MLX's global random state is used. An opaque sampler
 always draws from the global state.
+
+``propose`` picks from any rows of scores: a DFlash drafter's logits, or one
+position's candidate scores at a time for the DFlash2 selector, which places the
+returned distribution back in the vocabulary (Drafter.propose).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
 
 
 class Greedy:
+    deterministic = True  # proposals are a function of the drafter's logits: copies may be merged in
+
     def __init__(self, ops: KernelOps):
         self.ops = ops
 
@@ -70,6 +76,8 @@ class Greedy:
 
 
 class Rejection:
+    deterministic = False  # proposals are sampled: a choice between sources must not look at them
+
     def __init__(self, params: SamplingParams, ops: KernelOps):
         self.params, self.ops = params, ops
 
@@ -80,13 +88,19 @@ class Rejection:
         q = probabilities(draft_logits, self.params)
         return mx.random.categorical(mx.log(q), key=key).astype(mx.int32), q
 
-    def verify(self, logits: mx.array, proposals: mx.array, q: mx.array, key: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    def verify(self, logits: mx.array, proposals: mx.array, q: mx.array | None, key: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """``q``: the distributions the proposals were drawn from; None for copied proposals,
+        drawn from point masses (all probability on the copied token)."""
         p = probabilities(logits, self.params)
+        if q is None:
+            q = (mx.arange(p.shape[-1])[None] == proposals[:, None]).astype(p.dtype)
         uniforms = mx.random.uniform(shape=(logits.shape[0],), key=key)
         return self.ops.rejection_accept(p, q, proposals, uniforms)
 
 
 class Match:
+    deterministic = True
+
     def __init__(self, sampler: Sampler, ops: KernelOps):
         self.sampler, self.ops = sampler, ops
 

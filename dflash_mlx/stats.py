@@ -7,6 +7,32 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class ShardingStats:
+    """How a sharded target ran (``distributed.py``) and its communication per verify step."""
+
+    mode: str  # "tensor parallel" or "pipeline parallel"
+    ranks: int
+    collectives: int  # the model's own collectives per forward, counted in its graph
+    steps: int = 0
+    control_seconds: float = 0.0  # sending rank 0's orders to the other ranks
+    gather_seconds: float = 0.0  # pipeline: bringing the taps other ranks hold to rank 0
+    collective_seconds: float = 0.0  # the model's collectives: count x latency calibrated at load
+
+    @property
+    def seconds_per_step(self) -> float:
+        return (self.control_seconds + self.gather_seconds + self.collective_seconds) / max(self.steps, 1)
+
+    def describe(self) -> str:
+        ms = lambda s: 1e3 * s / max(self.steps, 1)  # noqa: E731
+        return (
+            f"{self.mode} over {self.ranks} ranks; communication {1e3 * self.seconds_per_step:.2f} ms/step "
+            f"(orders {ms(self.control_seconds):.2f}, tap gather {ms(self.gather_seconds):.2f}, "
+            f"~{ms(self.collective_seconds):.2f} in the model's {self.collectives} collectives per forward, "
+            "latency calibrated at load)"
+        )
+
+
+@dataclass
 class SpeculativeStats:
     """Acceptance record of one generation. tau counts the target's own token."""
 
@@ -16,6 +42,19 @@ class SpeculativeStats:
     acceptance_lengths: list[int] = field(default_factory=list)
     block_sizes: list[int] = field(default_factory=list)  # verified rows per step; 1 = plain decoding
     adaptive: bool = False
+    sharding: ShardingStats | None = None  # set when the target is sharded over several ranks
+    copy_proposals: bool = True  # whether copies from earlier text could be proposed
+    copied: int = 0  # accepted proposals that were copied
+    drafted: int = 0  # accepted proposals the drafter made
+    copy_steps: int = 0  # steps whose block held copied tokens
+
+    def record(self, step) -> None:
+        """One draft-verify step (a ``decode.Step``)."""
+        self.acceptance_lengths.append(len(step.tokens))
+        self.block_sizes.append(step.block_size)
+        self.copied += step.copied
+        self.drafted += step.accepted - step.copied
+        self.copy_steps += step.copies > 0
 
     @property
     def speculative(self) -> bool:
@@ -34,6 +73,11 @@ class SpeculativeStats:
     def tau(self) -> float:
         n = self.acceptance_lengths
         return sum(n) / len(n) if n else 0.0
+
+    def tau_by_source(self) -> dict[str, float]:
+        """tau split: the target's own token per step, and accepted drafts and copies per step."""
+        steps = len(self.acceptance_lengths) or 1
+        return {"target": 1.0 if self.acceptance_lengths else 0.0, "drafter": self.drafted / steps, "copy": self.copied / steps}
 
     def histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.acceptance_lengths).items()))
@@ -62,7 +106,10 @@ def format_stats(response) -> str:
             f"Acceptance: tau {s.tau:.2f} tokens/step over {len(s.acceptance_lengths)} steps "
             f"({s.describe()}; kernels: {s.kernels})",
             *(f"Kernel fallback to the MLX twin: {reason}" for reason in sorted(s.kernel_fallbacks)),
+            f"Accepted proposals: {s.drafted} drafted, {s.copied} copied"
+            + (f" ({s.copy_steps} steps held copies)" if s.copy_proposals else " (copy proposals off)"),
             f"Acceptance histogram (tokens/step:count): {hist}",
+            *([f"Sharded: {s.sharding.describe()}"] if s.sharding else []),
             f"Peak memory: {response.peak_memory:.3f} GB",
         ]
     )

@@ -122,10 +122,14 @@ class Target:
     def rollback_rows(self, cache: list, drops: list[int]) -> None:
         """Batched ``rollback``: drop the last ``drops[r]`` positions of row r."""
         self.cache_policy.rollback_rows(cache, drops)
+    def holds(self, layer: int) -> bool:
+        """Whether this process holds ``layer``: a pipeline stage holds only its own (mlx_lm
+        leaves None before them and nothing after)."""
+        return layer < len(self.layers) and self.layers[layer] is not None
 
     @contextmanager
     def _tapped(self) -> Iterator[dict[int, list]]:
-        sinks = {i: [] for i in self.layer_ids}
+        sinks = {i: [] for i in self.layer_ids if self.holds(i)}
         originals = {i: self.layers[i] for i in sinks}
         for i, sink in sinks.items():
             self.layers[i] = _Tap(originals[i], sink)
@@ -138,24 +142,32 @@ class Target:
     def __call__(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         """Logits (1, L, V) and captured hidden states (1, L, k*H) for ``tokens`` (1, L).
 
-        ``rollback`` can then drop any tail of these L rows.
+        ``rollback`` can then drop any tail of these L rows. Without a cache (a training
+        pass over whole sequences) there is nothing to roll back.
         """
+        if cache is None:
+            return self._forward(tokens, cache)
         with self.cache_policy.undoable(cache, tokens.shape[1]):
             return self._forward(tokens, cache)
 
     def _forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         with self._tapped() as sinks:
             logits = self.model(tokens, cache=cache)
-        hidden = mx.concatenate([sinks[i][0] for i in self.layer_ids], axis=-1)
-        return logits, hidden
+        return logits, self._hidden({i: sink[0] for i, sink in sinks.items()}, tokens, cache)
+
+    def _hidden(self, taps: dict[int, mx.array], tokens: mx.array, cache: list) -> mx.array:
+        """The drafter's input from this forward's taps; a sharded target gathers them here."""
+        return mx.concatenate([taps[i] for i in self.layer_ids], axis=-1)
 
     def prefill(
-        self, prompt: mx.array, cache: list, step_size: int = 2048
+        self, prompt: mx.array, cache: list, step_size: int = 2048, keep_rows: int | None = None
     ) -> tuple[mx.array, mx.array]:
         """Run the prompt through the target in chunks, as mlx_lm does.
 
-        Returns the last row's logits (1, V) and the hidden states of all prompt
-        rows (1, P, k*H), the drafter's first context.
+        Returns the last row's logits (1, V) and the hidden states of the prompt
+        rows (1, P, k*H), the drafter's first context. With ``keep_rows`` (a
+        drafter whose layers all have sliding windows never sees further back)
+        earlier rows are dropped as the chunks go: at most keep_rows + 1 remain.
         """
         hidden = []
         rest = prompt
@@ -164,8 +176,11 @@ class Target:
             # Not undoable: recording a long chunk would hold its projections in memory.
             _, h = self._forward(chunk[None], cache)
             self.cache_policy.forget()
-            mx.eval(h, [c.state for c in cache])
             hidden.append(h)
+            if keep_rows is not None:
+                h = mx.concatenate(hidden, axis=1)
+                hidden = [h[:, max(h.shape[1] - keep_rows, 0) :]]
+            mx.eval(hidden, [c.state for c in cache])
         logits, h = self(rest[None], cache)
         hidden.append(h)
         return logits[:, -1], mx.concatenate(hidden, axis=1)

@@ -25,7 +25,6 @@ that the held-out evaluation at the end measures with ``stream_generate``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -36,7 +35,6 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .checkpoint import read_config
 from .drafter import Attention, Drafter, DrafterArgs, default_target_layer_ids, save_drafter
 from .errors import DFlashError
 from .model import load_target
@@ -100,6 +98,8 @@ def training_hidden(
     anchors: (S, N) anchor positions. Same math as ``Drafter.__call__`` run once
     per block with the context rows before the anchor.
     """
+    if drafter.architecture != Drafter.architecture:
+        raise DFlashError(f"training {drafter.architecture} drafters is not supported yet: train a DFlashDraftModel")
     if any(layer.self_attn.sliding_window for layer in drafter.layers):
         raise DFlashError("training drafters with sliding-window layers is not supported: drop layer_types")
     B = block_embeddings.shape[2]
@@ -112,112 +112,6 @@ def training_hidden(
     return drafter.norm(h)[:, :, 1:]
 
 
-# ---------------------------------------------------------------------------------------------
-# Data: sequences, target hidden states, anchor batches
-
-
-def sequences(records: list[dict], eos: int, max_tokens: int) -> list[tuple[np.ndarray, int]]:
-    """(tokens, answer start) per record; answers cut by max_tokens didn't see EOS."""
-    out = []
-    for r in records:
-        answer = r["response_ids"] + ([eos] if len(r["response_ids"]) < max_tokens else [])
-        if len(answer) >= 2:
-            out.append((np.array(r["prompt_ids"] + answer, np.int32), len(r["prompt_ids"])))
-    return out
-
-
-def compute_hidden(target: Target, seqs: list[tuple[np.ndarray, int]], batch: int = 8, progress=None) -> list[mx.array]:
-    """Target hidden states (T, k*H) per sequence, stored in bfloat16 to halve memory.
-
-    Only the hidden states are evaluated, so MLX skips the LM head and the layers
-    after the last tapped one. Right padding cannot change earlier rows (causal).
-    """
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
-    hidden: list[mx.array | None] = [None] * len(seqs)
-    for start in range(0, len(order), batch):
-        idx = order[start : start + batch]
-        T = max(len(seqs[i][0]) for i in idx)
-        tokens = np.zeros((len(idx), T), np.int32)
-        for row, i in enumerate(idx):
-            tokens[row, : len(seqs[i][0])] = seqs[i][0]
-        _, h = target(mx.array(tokens), None)
-        h = h.astype(mx.bfloat16)
-        mx.eval(h)
-        for row, i in enumerate(idx):
-            hidden[i] = h[row, : len(seqs[i][0])]
-        if progress is not None:
-            progress.update(len(idx))
-    return hidden
-
-
-def _sequence_key(tokens: np.ndarray) -> str:
-    return hashlib.sha1(tokens.astype(np.int32).tobytes()).hexdigest()
-
-
-def cached_hidden(folder: Path, target: Target, seqs: list[tuple[np.ndarray, int]], progress=None,
-                  shard_size: int = 128) -> list[mx.array]:
-    """Hidden states of ``seqs``, running the target only over sequences ``folder`` lacks.
-
-    Entries are keyed by a hash of their tokens, so a run given more prompts (or
-    resumed) pays the target pass for the new answers alone. New entries are
-    written as shards of ``shard_size`` sequences as they finish, so an
-    interrupted pass keeps what it computed. Shards of other tapped layers are ignored.
-    """
-    layers = json.dumps(target.layer_ids)
-    keys = [_sequence_key(t) for t, _ in seqs]
-    wanted = set(keys)  # a run with fewer prompts than the cache holds keeps only its own
-    cache: dict[str, mx.array] = {}
-    shards = sorted(folder.glob("hidden-*.safetensors"))
-    for shard in shards:
-        arrays, metadata = mx.load(str(shard), return_metadata=True)
-        if metadata.get("layers") == layers:
-            cache.update((k, v) for k, v in arrays.items() if k in wanted)
-    # Unique missing sequences, by length: a shard's batches then pad little.
-    missing = sorted({k: i for i, k in enumerate(keys) if k not in cache}.values(), key=lambda i: len(seqs[i][0]))
-    if progress is not None:
-        progress.reset(total=len(missing))
-    folder.mkdir(parents=True, exist_ok=True)
-    for n, start in enumerate(range(0, len(missing), shard_size), len(shards)):
-        chunk = missing[start : start + shard_size]
-        fresh = {keys[i]: h for i, h in zip(chunk, compute_hidden(target, [seqs[i] for i in chunk], progress=progress))}
-        tmp = folder / f"tmp-hidden-{n:05d}.safetensors"
-        mx.save_safetensors(str(tmp), fresh, metadata={"layers": layers})
-        tmp.rename(folder / f"hidden-{n:05d}.safetensors")  # whole shards only
-        cache.update(fresh)
-    return [cache[k] for k in keys]
-
-
-def make_batch(
-    seqs: list[tuple[np.ndarray, int]],
-    hidden: list[mx.array],
-    idx: list[int],
-    rng: np.random.Generator,
-    num_anchors: int,
-    block_size: int,
-) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
-    """Context (S,T,kH), block tokens (S,N,B), anchors (S,N), labels (S,N,B-1), label mask."""
-    S, B = len(idx), block_size
-    T = max(len(seqs[i][0]) for i in idx)
-    anchors = np.zeros((S, num_anchors), np.int32)
-    valid_anchor = np.zeros((S, num_anchors), bool)
-    labels = np.zeros((S, num_anchors, B - 1), np.int32)
-    valid = np.zeros((S, num_anchors, B - 1), bool)
-    for row, i in enumerate(idx):
-        tokens, answer = seqs[i]
-        # Anchors are answer tokens with at least one token after them, as at inference.
-        candidates = np.arange(answer, len(tokens) - 1)
-        chosen = np.sort(rng.choice(candidates, min(num_anchors, len(candidates)), replace=False))
-        anchors[row, : len(chosen)] = chosen
-        valid_anchor[row, : len(chosen)] = True
-        padded = np.concatenate([tokens, np.zeros(B, np.int32)])
-        for j, a in enumerate(chosen):
-            labels[row, j] = padded[a + 1 : a + B]
-            valid[row, j] = np.arange(a + 1, a + B) < len(tokens)
-    context = mx.stack([mx.pad(hidden[i], [(0, T - hidden[i].shape[0]), (0, 0)]) for i in idx]).astype(mx.float32)
-    first = np.take_along_axis(np.stack([np.pad(seqs[i][0], (0, T - len(seqs[i][0]))) for i in idx]), anchors, 1)
-    return context, mx.array(first), mx.array(anchors), mx.array(labels), mx.array(valid & valid_anchor[..., None])
-
-
 def loss_fn(drafter, target, head, context, block_tokens, anchors, columns, valid, weights):
     """``columns``: each label's column in ``head`` (-1: not in the draft vocabulary,
     so unpredictable: no loss, and counted as a miss)."""
@@ -226,15 +120,6 @@ def loss_fn(drafter, target, head, context, block_tokens, anchors, columns, vali
     w = weights * (valid & (columns >= 0))
     loss = (nn.losses.cross_entropy(logits, mx.maximum(columns, 0)) * w).sum() / w.sum()
     return loss, logits.argmax(-1) == columns
-
-
-def draft_vocabulary(seqs: list[tuple[np.ndarray, int]], size: int, vocab_size: int) -> mx.array:
-    """The ``size`` token ids most frequent in the answers (ties: lower id), ascending."""
-    counts = np.zeros(vocab_size, np.int64)
-    for tokens, answer in seqs:
-        np.add.at(counts, tokens[answer:], 1)
-    top = np.lexsort((np.arange(vocab_size), -counts))[:size]
-    return mx.array(np.sort(top).astype(np.int32))
 
 
 def label_columns(rows: mx.array | None, vocab_size: int) -> mx.array:
@@ -281,22 +166,24 @@ def load_checkpoint(out: Path, drafter: Drafter, optimizer: optim.Optimizer) -> 
 # The run
 
 
-def make_drafter_args(target_config: dict, *, num_layers: int, block_size: int, target_layer_ids: list[int] | None,
+def make_drafter_args(target: Target, *, num_layers: int, block_size: int, target_layer_ids: list[int] | None,
                       mask_token_id: int, intermediate_size: int | None = None) -> DrafterArgs:
-    """A drafter with the target's attention geometry (so RoPE and head sizes match)."""
-    L = target_config["num_hidden_layers"]
+    """A drafter with the loaded target's attention geometry (so RoPE and head sizes match),
+    read from the model's own args: Hub ids and configs nested under text_config alike."""
+    t, L = target.args, len(target.layers)
+    heads = t.num_attention_heads
     return DrafterArgs(
-        hidden_size=target_config["hidden_size"],
+        hidden_size=t.hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=target_config["num_attention_heads"],
-        num_key_value_heads=target_config.get("num_key_value_heads", target_config["num_attention_heads"]),
-        head_dim=target_config.get("head_dim"),
-        intermediate_size=intermediate_size or target_config["intermediate_size"],
-        vocab_size=target_config["vocab_size"],
-        rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
+        intermediate_size=intermediate_size or t.intermediate_size,
+        vocab_size=t.vocab_size,
+        rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
         num_target_layers=L,
-        rope_theta=target_config.get("rope_theta", 10000.0),
-        max_position_embeddings=target_config.get("max_position_embeddings", 4096),
+        rope_theta=getattr(t, "rope_theta", None) or 10000.0,
+        max_position_embeddings=getattr(t, "max_position_embeddings", None) or 4096,
         block_size=block_size,
         target_layer_ids=target_layer_ids or default_target_layer_ids(L, num_layers),
         mask_token_id=mask_token_id,
@@ -392,7 +279,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from .data import generate_responses, load_prompts
+    from .data import cached_hidden, draft_vocabulary, generate_responses, load_prompts, make_batch, sequences
 
     out = Path(args.out)
     if not args.resume and (out / "trainer_state.json").exists():
@@ -417,9 +304,8 @@ def run(args: argparse.Namespace) -> None:
     records = [r for r in records if r["id"] < len(train_prompts)]
     data_seconds = time.perf_counter() - tic
 
-    config = read_config(Path(model_path))
     mask_id = default_mask_token(tokenizer) if args.mask_token_id is None else args.mask_token_id
-    dargs = make_drafter_args(config, num_layers=args.num_layers, block_size=args.block_size,
+    dargs = make_drafter_args(Target(model, []), num_layers=args.num_layers, block_size=args.block_size,
                               target_layer_ids=args.target_layer_ids, mask_token_id=mask_id,
                               intermediate_size=args.intermediate_size)
     target = Target(model, dargs.target_layer_ids)

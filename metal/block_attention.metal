@@ -1,6 +1,6 @@
 // Block attention of the drafter: one threadgroup per (query row, head).
 // Template: T (dtype), D (head dim, a multiple of 32), NSG (simdgroups).
-// params = [L, S, n_heads / n_kv_heads, window (0: full attention)].
+// params = [L, S, n_heads / n_kv_heads, window (0: none), causal (0/1)].
 // Each simdgroup runs an online softmax over every NSG-th visible key and the
 // lanes split the head dim, so a key costs one simd_sum; the simdgroups'
 // partial softmaxes are merged through threadgroup memory at the end.
@@ -9,15 +9,18 @@ const int L = params[0];
 const int S = params[1];
 const int group = params[2];
 const int window = params[3];
+const bool causal = params[4] != 0;
 const int row = threadgroup_position_in_grid.x;
 const int head = threadgroup_position_in_grid.y;
 const int sg = simdgroup_index_in_threadgroup;
 const int lane = thread_index_in_simdgroup;
 
-// The mask comes from positions: query `row` sits at S - L + row.
+// The mask comes from positions: query `row` sits at S - L + row. The window
+// limits context keys only and the block's keys start at S - L, so the visible
+// keys are one contiguous range.
 const int qpos = S - L + row;
-const int lo = window > 0 ? max(0, qpos - window + 1) : 0;
-const int hi = window > 0 ? qpos + 1 : S;
+const int lo = window > 0 ? min(max(0, qpos - window + 1), S - L) : 0;
+const int hi = causal ? qpos + 1 : S;
 
 const device T* qrow = q + (size_t(head) * L + row) * D;
 const device T* keys = k + size_t(head / group) * S * D;

@@ -9,7 +9,7 @@ import dflash_mlx
 from dflash_mlx import DFlashModel, stream_generate
 from dflash_mlx.adaptive import AdaptiveBlockSize, CostCurve, calibrate, cost_curve, make_policy
 from dflash_mlx.decode import DecodeCache
-from dflash_mlx.drafter import ContextWindowCache
+from dflash_mlx.draft_cache import ContextWindowCache
 
 # Step cost in units of one plain decoding step.
 STEEP = CostCurve(verify={1: 1.0, 2: 1.9, 4: 3.7, 8: 7.4, 16: 15.0}, draft={1: 0.0, 2: 0.3, 16: 0.6})

@@ -181,12 +181,14 @@ def test_bad_requests_are_refused(family):
         BatchEngine(model, block_size=0)
 
 
-def test_ragged_drafter_rows_equal_single_rows(tiny_pair):
+@pytest.mark.parametrize("causal", [False, True])
+def test_ragged_drafter_rows_equal_single_rows(tiny_pair, causal):
     """One drafter forward over rows with different context lengths gives each row's own logits,
-    for full-attention and sliding-window drafter layers."""
+    for full-attention and sliding-window drafter layers, bidirectional or causal blocks."""
     model, _ = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
     target, ops = model.target, get_ops(False)
-    args = replace(model.drafter.args, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    args = replace(model.drafter.args, layer_types=["sliding_attention", "full_attention"], sliding_window=5,
+                   is_causal=causal)
     drafter = Drafter(args)
     drafter.update(model.drafter.parameters())
     head = target.head()
@@ -198,11 +200,11 @@ def test_ragged_drafter_rows_equal_single_rows(tiny_pair):
     for ctx, new in zip(contexts, news):
         cache = drafter.make_cache()
         drafter(blocks[:1], ctx, cache, head, ops)
-        expected.append(drafter(blocks[:1], new, cache, head, ops))
+        expected.append(drafter(blocks[:1], new, cache, head, ops)[0])
     caches = None
     for ctx in contexts:
         row = [RaggedKVCache() for _ in drafter.layers]
-        drafter.draft_rows(blocks[:1, :1], ctx, row, head, ops)
+        drafter(blocks[:1, :1], ctx, row, head, ops)
         if caches is None:
             caches = row
         else:
@@ -212,7 +214,7 @@ def test_ragged_drafter_rows_equal_single_rows(tiny_pair):
     for c in caches:
         c.prepare([width - n.shape[1] for n in news])
     padded = mx.concatenate([mx.pad(n, [(0, 0), (width - n.shape[1], 0), (0, 0)]) for n in news])
-    got = drafter.draft_rows(blocks, padded, caches, head, ops)
+    got = drafter(blocks, padded, caches, head, ops)
     for r in range(3):
         assert mx.allclose(got[r], expected[r], atol=1e-4).item(), r
     assert caches[0].lengths == [10, 7, 8]

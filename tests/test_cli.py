@@ -1,10 +1,12 @@
 """`dflash-mlx generate`: a real run, and one-line errors (exit 1, no traceback) for bad input."""
 
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from tiny import TARGETS, drafter_config, save_drafter
@@ -73,7 +75,7 @@ def test_bad_inputs(tiny_pair, tmp_path, capsys):
     expect("block size 40 is out of range", *model, "--draft", str(draft), "--block-size", "40")
     expect("block size 0 is out of range", *model, "--draft", str(draft), "--block-size", "0")
     expect("the prompt is empty", *model, "--draft", str(draft), "--prompt", "", "--ignore-chat-template")
-    expect("bad sampling settings", *model, "--draft", str(draft), "--temp", "-1")
+    expect("--temp -1.0: temperature must be in [0, 100]", *model, "--draft", str(draft), "--temp", "-1")
 
     no_keys = tmp_path / "no-keys"
     shutil.copytree(draft, no_keys)
@@ -96,3 +98,137 @@ def test_bad_inputs(tiny_pair, tmp_path, capsys):
     missing_config = tmp_path / "no-config"
     missing_config.mkdir()
     expect("has no config.json", "--model", str(missing_config), "--draft", str(draft))
+
+
+def test_drafter_config_with_a_string_for_a_number(tiny_pair, tmp_path, capsys):
+    target, draft = tiny_pair("qwen3")
+    bad = tmp_path / "bad"
+    shutil.copytree(draft, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "num_attention_heads": "4"}))
+    code, _, err = run_cli(capsys, "--model", str(target), "--draft", str(bad))
+    assert code == 1
+    assert "num_attention_heads is '4', not an integer" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def edited_target(tmp_path, target, name, edit):
+    folder = tmp_path / name
+    shutil.copytree(target, folder)
+    edit(folder)
+    return folder
+
+
+def truncate(folder):
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def raising_template(folder):
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        + config["chat_template"]
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def drop_config_key(folder):
+    config = json.loads((folder / "config.json").read_text())
+    del config["tie_word_embeddings"], config["num_attention_heads"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("edit, argv, message", [
+    (truncate, [], "target weights {m}/model.safetensors are not usable: it is truncated"),
+    (lambda f: (f / "config.json").write_text("{oops"), [], "config.json is not valid JSON"),
+    (drop_config_key, [], "could not load the target from {m} (TypeError:"),
+    (raising_template, ["--system", "be brief"],
+     "the chat template failed on these messages (TemplateError: System role not supported); fix: drop --system"),
+    (None, ["--prompt", "caf\udce9"], "--prompt is not valid UTF-8 (at character 3)"),
+    (None, ["--system", "\udcff"], "--system is not valid UTF-8"),
+    (None, ["--seed", str(2**64)], "argument --seed: seed 18446744073709551616 is outside the 64-bit integer range"),
+    (None, ["--seed", "x"], "argument --seed: 'x' is not an integer"),
+    (None, ["--temp", "nan"], "argument --temp: 'nan' is not a finite number"),
+    (None, ["--temp", "1e-40"], "--temp 1e-40: temperature=1e-40 is too small to compute in float32"),
+    (None, ["--top-p", "0"], "--top-p 0.0: top_p must be in (0, 1]"),
+    (None, ["--top-k", "-1"], "argument --top-k: -1 is negative"),
+    (None, ["--max-tokens", "0"], "argument --max-tokens/-m: 0 is not a positive integer"),
+    (None, ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+], ids=["truncated-weights", "config-json", "config-key", "template-raises", "prompt-utf8", "system-utf8", "seed-range",
+        "seed-type", "temp-nan", "temp-underflow", "top-p", "top-k", "max-tokens", "unknown-flag"])
+def test_bad_input_is_one_line(tiny_pair, tmp_path, capsys, edit, argv, message):
+    target, draft = tiny_pair("qwen3")
+    model = edited_target(tmp_path, target, "edited", edit) if edit else target
+    code, _, err = run_cli(capsys, "--model", str(model), "--draft", str(draft), "--max-tokens", "3", *argv)
+    assert code == 1 and message.format(m=model) in err, err
+    assert err.startswith("dflash-mlx generate: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_drafter_given_as_model(tiny_pair, capsys):
+    _, draft = tiny_pair("qwen3")
+    code, _, err = run_cli(capsys, "--model", str(draft), "--draft", str(draft))
+    assert code == 1 and f"{draft} is a DFlash drafter, not a target: pass it with --draft" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_stdin_prompt(tiny_pair, capsys, monkeypatch):
+    target, draft = tiny_pair("qwen3")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait")))
+    code, _, err = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--prompt", "-")
+    assert code == 1 and "the prompt on stdin is not valid UTF-8 (byte 0xe9 at offset 3)" in err
+    assert len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("café au lait".encode())))
+    code, out, err = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--prompt", "-", "--max-tokens", "3")
+    assert code == 0 and "Generation: 3 tokens" in out, err
+
+
+@pytest.mark.parametrize("seed", ["-1", str(-(2**63)), str(2**63 - 1)])
+def test_any_64_bit_seed(tiny_pair, capsys, seed):
+    target, draft = tiny_pair("qwen3")
+    argv = ["--model", str(target), "--draft", str(draft), "--temp", "1", "--max-tokens", "8", "--verbose", "false"]
+    runs = [run_cli(capsys, *argv, "--seed", seed) for _ in range(2)]
+    assert runs[0][0] == 0 and runs[0] == runs[1]  # a seed, not an error, and the same seed twice gives one text
+
+
+def test_stale_build_folders_are_removed(tiny_pair, tmp_path):
+    from dflash_mlx.default import _materialize
+
+    _, draft = tiny_pair("qwen3")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f".built.tmp-{gone.pid}-x1"  # its build process was killed
+    running = tmp_path / f".built.tmp-{os.getpid()}-x2"  # a build in progress
+    old = tmp_path / ".built.k3j4h5g6"  # named by an earlier version, untouched for two hours
+    recent = tmp_path / ".built.q1w2e3r4"
+    for folder in (stale, running, old, recent):
+        folder.mkdir()
+        (folder / "weights").write_bytes(b"x" * 1000)
+    os.utime(old, (time.time() - 7200,) * 2)
+    _materialize(tmp_path / "built", lambda out: shutil.copytree(draft, out))
+    assert (tmp_path / "built" / "config.json").is_file()
+    assert not stale.exists() and not old.exists() and running.exists() and recent.exists()
+
+
+def test_corrupt_cached_build_is_rebuilt(tiny_pair, tmp_path, caplog):
+    from dflash_mlx.default import _materialize
+    from dflash_mlx.drafter import load_drafter
+
+    _, draft = tiny_pair("qwen3")
+    built, builds = tmp_path / "built", []
+
+    def build(out):
+        builds.append(out)
+        shutil.copytree(draft, out)
+
+    _materialize(built, build)
+    _materialize(built, build)
+    assert len(builds) == 1  # a complete copy is used as it is
+    truncate(built)
+    _materialize(built, build)
+    assert len(builds) == 2 and "is unusable (model.safetensors: it is truncated" in caplog.text
+    (built / "config.json").write_text("{")
+    _materialize(built, build)
+    assert len(builds) == 3 and "config.json is unreadable" in caplog.text
+    load_drafter(str(built))  # the rebuilt copy is whole
+    assert [p.name for p in tmp_path.iterdir()] == ["built"]  # no build folder left behind

@@ -21,7 +21,8 @@ from tiny import TARGETS, drafter_config, save_drafter
 
 gguf = pytest.importorskip("gguf")
 
-from dflash_mlx.convert import convert, load_recipe, shipped_recipes
+from dflash_mlx.convert import convert
+from dflash_mlx.recipe import load_recipe, shipped_recipes
 from dflash_mlx.errors import DFlashError
 
 # fp32 conversion reorders no weight and rounds none, so the only difference to the float64

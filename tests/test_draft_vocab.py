@@ -47,7 +47,7 @@ def test_drafter_proposes_only_its_vocabulary(tiny_pair):
     target = Target(model, drafter.args.target_layer_ids)
     _, hidden = target(mx.array([[5, 9, 11, 40, 7]]), None)
     block = target.embed(mx.array([[7] + [drafter.args.mask_token_id] * 7]))
-    logits = drafter(block, hidden, drafter.make_cache(), target.head(rows), kernels.get_ops(False))
+    logits = drafter(block, hidden, drafter.make_cache(), target.head(rows), kernels.get_ops(False))[0]
     outside = np.setdiff1d(np.arange(target.vocab_size), np.array(rows))
     assert np.isinf(np.array(logits)[:, outside]).all()
     assert np.isfinite(np.array(logits)[:, np.array(rows)]).all()

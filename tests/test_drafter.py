@@ -45,14 +45,17 @@ def reference_forward(drafter, block_emb, context_hidden, lm_head):
         groups = a.num_attention_heads // a.num_key_value_heads
         k, v = mx.repeat(k, groups, axis=0), mx.repeat(v, groups, axis=0)
         scores = (q @ k.transpose(0, 2, 1)) * a.head_dim**-0.5
-        window = a.sliding_window_of(i)
-        if window is not None:
-            visible = (kv_pos[None] <= q_pos[:, None]) & (q_pos[:, None] - kv_pos[None] < window)
-            scores = mx.where(visible, scores, -mx.inf)
+        window, causal = a.sliding_window_of(i), a.is_causal_layer(i)
+        # Context rows within the window of each block row's position; block rows up
+        # to the row itself in causal layers, all of them otherwise.
+        context_key = kv_pos[None] < n
+        sees_context = context_key & ((q_pos[:, None] - kv_pos[None] < window) if window else True)
+        sees_block = ~context_key & ((kv_pos[None] <= q_pos[:, None]) if causal else True)
+        scores = mx.where(sees_context | sees_block, scores, -mx.inf)
         out = (mx.softmax(scores, axis=-1) @ v).transpose(1, 0, 2).reshape(L, -1)
         h = h + attn.o_proj(out)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return lm_head(drafter.norm(h)[1:])
+    return lm_head(drafter.norm(h)[1:])[None]
 
 
 @pytest.fixture
@@ -150,3 +153,72 @@ def test_embedding_scale_multiplier_and_softcap(tmp_path, head):
     a = plain(2.0 * block, context, plain.make_cache(), head, OPS)
     b = scaled(block, context, scaled.make_cache(), head, OPS)
     np.testing.assert_allclose(np.array(b), np.array(mx.tanh(0.5 * a / 0.3) * 0.3), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.update(hidden_size="64"), "hidden_size is '64', not an integer"),
+        (lambda c: c.update(rms_norm_eps="1e-6"), "rms_norm_eps is '1e-6', not a number"),
+        (lambda c: c["dflash_config"].update(block_size=[16]), "dflash_config.block_size is [16], not an integer"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, "4"]), "target_layer_ids is [1, '4'], not a list of integers"),
+        (lambda c: c.update(layer_types=["full_attention"]), "layer_types has 1 entries for 2 layers"),
+        (lambda c: c.update(layer_types=["full_attention", "linear_attention"], sliding_window=4),
+         "unknown layer types ['linear_attention']"),
+        (lambda c: c.update(layer_types=["full_attention", "sliding_attention"]), "sliding_window is missing"),
+        (lambda c: c.update(is_causal="yes"), "is_causal is 'yes', not true or false or null"),
+        (lambda c: c.update(num_key_value_heads=3), "num_attention_heads (4) is not a multiple of"),
+        (lambda c: c.update(block_size=0), "block_size is 0, not a positive integer"),
+        (lambda c: c.update(architectures=["EagleDraftModel"]), "architectures is ['EagleDraftModel'], not one drafter"),
+        (lambda c: c.update(rope_parameters={"rope_type": "nope", "rope_theta": 1e4}), "rope_parameters is not a RoPE"),
+        (lambda c: c.update(architectures=["DFlash2DraftModel"]), "dflash_config.conv_kernel_size is missing"),
+        (lambda c: (c.update(architectures=["DFlash2DraftModel"]), c["dflash_config"].update(
+            conv_kernel_size=2, conv_group_size=24, selector_rank=4, selector_top_k=4)),
+         "conv_group_size (24) does not divide hidden_size (64)"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_key(tmp_path, edit, message):
+    from dflash_mlx.errors import DFlashError
+
+    src = save_drafter(tmp_path / "d", drafter_config(TARGETS["qwen3"]))
+    config = json.loads((src / "config.json").read_text())
+    edit(config)
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError) as e:
+        load_drafter(str(src))
+    assert message in str(e.value) and "fix:" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_layout_keys_are_read_where_each_layout_puts_them(tmp_path):
+    """2026: block_size in dflash_config, RoPE in rope_parameters; Gemma scalings at the top level
+    as well as in dflash_config (dflash_config wins), as the authors' PyTorch loader reads them."""
+    from tiny import layout_config
+
+    config = layout_config(drafter_config(TARGETS["qwen3"]), "2026")
+    assert "rope_theta" not in config and "block_size" not in config
+    config["dflash_config"]["block_size"] = 12
+    config.update(input_embedding_scale=3.0, output_multiplier=0.5)
+    config["dflash_config"]["output_multiplier"] = 0.25
+    a = load_drafter(str(save_drafter(tmp_path / "d", config))).args
+    assert a.block_size == 12 and a.rope_theta == TARGETS["qwen3"]["rope_theta"]
+    assert a.rope_scaling["rope_type"] == "yarn" and a.is_causal is True
+    assert a.input_embedding_scale == 3.0 and a.output_multiplier == 0.25
+    assert [a.is_causal_layer(i) for i in range(2)] == [True, True]
+    a.is_causal = None  # the official default: causal in sliding-window layers only
+    assert [a.is_causal_layer(i) for i in range(2)] == [True, False]
+
+
+def test_sliding_window_cache_keeps_the_last_rows_in_position_order():
+    from dflash_mlx.draft_cache import SlidingWindowCache
+
+    cache = SlidingWindowCache(window=5)  # holds the last 4 rows
+    rows = lambda a, b: mx.arange(a, b, dtype=mx.float32).reshape(1, 1, -1, 1)  # noqa: E731
+    pos = 0
+    for n in (3, 1, 1, 2, 1):  # context rows per step (1: a step that accepted nothing), then a 3-row block
+        k, _ = cache.update_and_fetch(rows(pos, pos + n + 3), rows(pos, pos + n + 3))
+        assert k[0, 0, :, 0].tolist() == list(range(max(0, pos - 4), pos + n + 3))  # position order, always
+        cache.trim(3)
+        pos += n
+        assert cache.offset == pos and cache.keys[0, 0, :, 0].tolist() == list(range(max(0, pos - 4), pos))
+    cache.skip(6)  # rows no block row can see: positions only
+    assert cache.offset == pos + 6 and cache.keys is None

@@ -32,24 +32,26 @@ def _assert_same(got: tuple[mx.array, mx.array], want: tuple[mx.array, mx.array]
 
 
 @pytest.mark.parametrize(
-    "dtype, D, heads, kv_heads, L, S, window",
+    "dtype, D, heads, kv_heads, L, S, window, causal",
     [
-        (mx.float32, 64, 4, 2, 4, 19, None),  # GQA, full attention
-        (mx.float32, 64, 4, 2, 4, 19, 5),  # sliding window reaching into context
-        (mx.float32, 128, 2, 2, 3, 7, 1),  # window 1: each query sees itself only
-        (mx.float32, 128, 2, 1, 3, 7, 50),  # window wider than everything
-        (mx.float16, 64, 2, 1, 4, 9, 3),
-        (mx.bfloat16, 64, 2, 2, 4, 9, None),
+        (mx.float32, 64, 4, 2, 4, 19, None, False),  # GQA, full attention
+        (mx.float32, 64, 4, 2, 4, 19, None, True),  # full attention, causal block (is_causal)
+        (mx.float32, 64, 4, 2, 4, 19, 5, True),  # sliding window reaching into context
+        (mx.float32, 64, 4, 2, 6, 19, 3, False),  # window shorter than the block, bidirectional block
+        (mx.float32, 128, 2, 2, 3, 7, 1, True),  # window 1: no context, causal block
+        (mx.float32, 128, 2, 1, 3, 7, 50, True),  # window wider than everything
+        (mx.float16, 64, 2, 1, 4, 9, 3, True),
+        (mx.bfloat16, 64, 2, 2, 4, 9, None, False),
     ],
 )
-def test_block_attention_matches_twin(dtype, D, heads, kv_heads, L, S, window) -> None:
+def test_block_attention_matches_twin(dtype, D, heads, kv_heads, L, S, window, causal) -> None:
     mx.random.seed(D + S + (window or 0))
     q = mx.random.normal((1, heads, L, D)).astype(dtype)
     k = mx.random.normal((1, kv_heads, S, D)).astype(dtype)
     v = mx.random.normal((1, kv_heads, S, D)).astype(dtype)
     scale = D**-0.5
-    got = OPS.block_attention(q, k, v, scale=scale, sliding_window=window)
-    want = kernels.block_attention_twin(q, k, v, scale=scale, sliding_window=window)
+    got = OPS.block_attention(q, k, v, scale=scale, sliding_window=window, causal=causal)
+    want = kernels.block_attention_twin(q, k, v, scale=scale, sliding_window=window, causal=causal)
     assert got.shape == want.shape and got.dtype == dtype
     err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
     assert err < TOL[dtype], err
@@ -180,11 +182,14 @@ def _mutated(name: str, old: str, new: str) -> str:
 def test_harness_catches_wrong_window_and_wrong_ratio_test() -> None:
     mx.random.seed(3)
     q, k, v = (mx.random.normal((1, 2, 4, 64)), mx.random.normal((1, 2, 9, 64)), mx.random.normal((1, 2, 9, 64)))
-    launch = kernels.plan_block_attention(q, k, v, scale=0.125, sliding_window=3)
+    launch = kernels.plan_block_attention(q, k, v, scale=0.125, sliding_window=3, causal=True)
     off_by_one = _mutated("block_attention", "qpos - window + 1", "qpos - window")
     got = H.run(launch, off_by_one)[0]
-    want = kernels.block_attention_twin(q, k, v, scale=0.125, sliding_window=3)
+    want = kernels.block_attention_twin(q, k, v, scale=0.125, sliding_window=3, causal=True)
     assert mx.abs(got - want).max().item() > 1e-3
+    # Causality ignored: later block rows leak into earlier ones.
+    not_causal = _mutated("block_attention", "causal ? qpos + 1 : S", "S")
+    assert mx.abs(H.run(launch, not_causal)[0] - want).max().item() > 1e-3
 
     # Accept on equality: wrong exactly when u * q(x) == p(x), here q == p, u -> 1.
     p = mx.array([[0.5, 0.5], [0.25, 0.75]])
@@ -232,7 +237,7 @@ def _speculative_greedy(ops: kernels.KernelOps, steps: int, B: int = 4) -> list[
         context = E[mx.array(tokens)].reshape(len(tokens), heads, D).transpose(1, 0, 2)[None]
         block = mx.broadcast_to(E[:1].reshape(1, heads, 1, D), (1, heads, B - 1, D))
         kv = mx.concatenate([context, block], axis=2)
-        attn = ops.block_attention(block, kv, kv, scale=D**-0.5, sliding_window=3)
+        attn = ops.block_attention(block, kv, kv, scale=D**-0.5, sliding_window=3, causal=True)
         noise = attn[0].mean(axis=0) @ P  # (B - 1, V)
         proposals, prev = [], tokens[-1]
         for i in range(B - 1):

@@ -29,15 +29,15 @@ def test_get_ops_selects_backend() -> None:
 @needs_metal
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("window", [None, 1, 7, 4096])
-def test_metal_block_attention(dtype, D, window) -> None:
+@pytest.mark.parametrize("window, causal", [(None, False), (None, True), (1, True), (7, True), (7, False), (4096, True)])
+def test_metal_block_attention(dtype, D, window, causal) -> None:
     mx.random.seed(D)
     q = mx.random.normal((1, 8, 16, D)).astype(dtype)
     k = mx.random.normal((1, 2, 300, D)).astype(dtype)
     v = mx.random.normal((1, 2, 300, D)).astype(dtype)
     ops = kernels.get_ops(True)
-    got = ops.block_attention(q, k, v, scale=D**-0.5, sliding_window=window)
-    want = kernels.block_attention_twin(q, k, v, scale=D**-0.5, sliding_window=window)
+    got = ops.block_attention(q, k, v, scale=D**-0.5, sliding_window=window, causal=causal)
+    want = kernels.block_attention_twin(q, k, v, scale=D**-0.5, sliding_window=window, causal=causal)
     tol = 2e-5 if dtype == mx.float32 else 3e-2
     assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < tol
 

@@ -99,7 +99,7 @@ class HalfKnowingDrafter(Drafter):
         table = self.target_model[0].model.embed_tokens.weight
         anchor = mx.argmin(((table - block_embeddings[0, 0]) ** 2).sum(-1)).item()
         row = self.target_model[0](mx.array([self.prompt + [anchor]]))[0, -1]
-        return mx.concatenate([0.6 * row[None], logits[1:]])
+        return mx.concatenate([0.6 * row[None, None], logits[:, 1:]], axis=1)
 
 
 SETTINGS = [

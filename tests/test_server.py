@@ -12,7 +12,8 @@ import pytest
 
 import dflash_mlx
 from dflash_mlx import stream_generate
-from dflash_mlx.server import StopMatcher, make_server
+from dflash_mlx.responses import StopMatcher
+from dflash_mlx.server import add_arguments, close, make_server
 
 NO_EOS = {"2": -100.0}  # keeps the tiny model talking: long, predictable outputs
 
@@ -51,18 +52,18 @@ def reference(pair):
 @pytest.fixture(scope="module")
 def server(pair, reference):
     model, draft = pair
-    args = argparse.Namespace(
-        model=model, draft=draft, host="127.0.0.1", port=0, max_tokens=512, temp=0.0, top_p=1.0,
-        top_k=0, min_p=0.0, max_prompt_tokens=400, block_size="auto", draft_window=(4, 64),
-    )
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([
+        "--model", model, "--draft", draft, "--port", "0", "--max-prompt-tokens", "400", "--block-size", "auto",
+        "--draft-window", "4:64",
+    ])
     srv = make_server(args)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv.server_address[1]
     srv.shutdown()
-    srv.server_close()
-    srv.app.worker.stop()
-    srv.app.worker.join(timeout=60)  # an MLX thread killed at interpreter exit aborts the process
+    close(srv)  # joins the worker: an MLX thread killed at interpreter exit aborts the process
 
 
 def post(port, path, body, timeout=60):
@@ -262,7 +263,6 @@ def test_openai_client(server, reference):
 
 def test_serve_command_line():
     from dflash_mlx.cli import SUBCOMMANDS
-    from dflash_mlx.server import add_arguments
 
     assert SUBCOMMANDS["serve"][0] == "dflash_mlx.server"
     parser = argparse.ArgumentParser()

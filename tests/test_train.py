@@ -2,16 +2,20 @@
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from tiny import TARGETS, drafter_config, save_target
+from mlx.utils import tree_flatten
+from tiny import EOS_ID, TARGETS, drafter_config, save_target, save_tokenizer
 
 from dflash_mlx import kernels
-from dflash_mlx import train
+from dflash_mlx import data, train
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter
 from dflash_mlx.target import Target
@@ -119,7 +123,7 @@ def test_init_from_target_reproduces_the_last_target_layer(tiny_pair):
     model, _ = mlx_lm.load(str(target_path))
     config = json.loads((target_path / "config.json").read_text())
     L = config["num_hidden_layers"]
-    args = train.make_drafter_args(config, num_layers=1, block_size=4, target_layer_ids=[0, L - 2], mask_token_id=0)
+    args = train.make_drafter_args(Target(model, []), num_layers=1, block_size=4, target_layer_ids=[0, L - 2], mask_token_id=0)
     drafter = Drafter(args)
     target = Target(model, args.target_layer_ids)
     train.init_from_target(drafter, target)
@@ -131,7 +135,7 @@ def test_init_from_target_reproduces_the_last_target_layer(tiny_pair):
     assert mx.allclose(ours, expected, atol=1e-5).item()
     assert mx.array_equal(drafter.norm.weight, model.model.norm.weight).item()
     with pytest.raises(DFlashError, match="--init random"):
-        wide = train.make_drafter_args(config, num_layers=1, block_size=4, target_layer_ids=[L - 2], mask_token_id=0,
+        wide = train.make_drafter_args(Target(model, []), num_layers=1, block_size=4, target_layer_ids=[L - 2], mask_token_id=0,
                                        intermediate_size=2 * config["intermediate_size"])
         train.init_from_target(Drafter(wide), target)
 
@@ -155,7 +159,7 @@ def test_hidden_cache_runs_the_target_only_over_new_sequences(tiny_pair, tmp_pat
     seqs = [(rng.integers(3, 60, size=n).astype(np.int32), 2) for n in (7, 12, 9, 15, 11)]
     folder = tmp_path / "cache"
     computed = []
-    real = train.compute_hidden
+    real = data.compute_hidden
 
     def counting(t, s, **kw):
         if len(computed) == 2 and kw.get("fail"):
@@ -163,11 +167,11 @@ def test_hidden_cache_runs_the_target_only_over_new_sequences(tiny_pair, tmp_pat
         computed.append(len(s))
         return real(t, s, progress=kw.get("progress"))
 
-    monkeypatch.setattr(train, "compute_hidden", counting)
-    first = train.cached_hidden(folder, target, seqs[:2])
+    monkeypatch.setattr(data, "compute_hidden", counting)
+    first = data.cached_hidden(folder, target, seqs[:2])
     asked = seqs[:4] + seqs[:1]  # two new sequences (and a repeat)
-    both = train.cached_hidden(folder, target, asked)
-    again = train.cached_hidden(folder, target, seqs[3::-1])  # all cached, other order
+    both = data.cached_hidden(folder, target, asked)
+    again = data.cached_hidden(folder, target, seqs[3::-1])  # all cached, other order
     assert computed == [2, 2]
     for got, (tokens, _) in zip(both, asked):
         _, expected = target(mx.array(tokens[None]), None)
@@ -176,11 +180,41 @@ def test_hidden_cache_runs_the_target_only_over_new_sequences(tiny_pair, tmp_pat
     assert all(mx.array_equal(a, b).item() for a, b in zip(again, both[3::-1]))
 
     other = Target(model, [1])  # other taps: nothing reused; an interrupted pass keeps its whole shards
-    monkeypatch.setattr(train, "compute_hidden", lambda t, s, **kw: counting(t, s, fail=True, **kw))
+    monkeypatch.setattr(data, "compute_hidden", lambda t, s, **kw: counting(t, s, fail=True, **kw))
     computed.clear()
     with pytest.raises(RuntimeError, match="interrupted"):
-        train.cached_hidden(folder, other, seqs, shard_size=2)
+        data.cached_hidden(folder, other, seqs, shard_size=2)
     assert computed == [2, 2] and not list(folder.glob("tmp-*"))
-    monkeypatch.setattr(train, "compute_hidden", counting)
-    train.cached_hidden(folder, other, seqs, shard_size=2)
+    monkeypatch.setattr(data, "compute_hidden", counting)
+    data.cached_hidden(folder, other, seqs, shard_size=2)
     assert computed == [2, 2, 1]
+
+
+def test_hub_id_target_with_nested_text_config(tmp_path):
+    """A target given as a Hub id (served from a local Hub cache, offline) whose config nests its
+    text model under text_config (qwen3_5): train reads the geometry from the loaded model."""
+    from test_hybrid import CONFIGS, build
+
+    snapshot = tmp_path / "hub" / "models--tiny--qwen3_5" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--tiny--qwen3_5" / "refs").mkdir()
+    (tmp_path / "hub" / "models--tiny--qwen3_5" / "refs" / "main").write_text("0" * 40)
+    mx.save_safetensors(str(snapshot / "model.safetensors"), dict(tree_flatten(build("qwen3_5").parameters())))
+    (snapshot / "config.json").write_text(json.dumps({**CONFIGS["qwen3_5"], "eos_token_id": EOS_ID}))
+    save_tokenizer(snapshot)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("abc\nhello\nxyz\n")
+    out = tmp_path / "drafter"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx", "train", "--model", "tiny/qwen3_5", "--out", str(out), "--prompts", str(prompts),
+         "--num-prompts", "3", "--eval-prompts", "0", "--max-response-tokens", "12", "--block-size", "4", "--steps", "2",
+         "--init", "random", "--anchors", "4"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    config = json.loads((out / "config.json").read_text())
+    text = CONFIGS["qwen3_5"]["text_config"]
+    assert (config["hidden_size"], config["num_target_layers"]) == (text["hidden_size"], text["num_hidden_layers"])
+    assert config["num_attention_heads"] == text["num_attention_heads"] and config["head_dim"] == text["head_dim"]
+    assert config["rope_theta"] == text["rope_parameters"]["rope_theta"]

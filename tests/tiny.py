@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from dflash_mlx.drafter import Drafter, DrafterArgs
+from dflash_mlx.drafter import Drafter, drafter_classes
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<mask>"]
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
@@ -70,12 +71,13 @@ def save_tokenizer(path: Path) -> None:
     )
 
 
-def save_target(path: Path, family: str, seed: int = 0) -> Path:
-    """An mlx_lm model of ``family`` with random fp32 weights, as a model folder."""
+def save_target(path: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """An mlx_lm model of ``family`` (config entries replaced by ``overrides``) with random fp32
+    weights, as a model folder."""
     from mlx_lm.utils import _get_classes
 
     path.mkdir(parents=True, exist_ok=True)
-    config = dict(TARGETS[family], eos_token_id=EOS_ID)
+    config = dict(TARGETS[family], eos_token_id=EOS_ID, **overrides)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
@@ -116,11 +118,17 @@ def drafter_config(target_config: dict, **overrides) -> dict:
     return config
 
 
+def make_drafter(config: dict) -> Drafter:
+    """A randomly initialised drafter of the architecture ``config`` names."""
+    args_class, model_class = drafter_classes(config)
+    return model_class(args_class.from_config(config))
+
+
 def save_drafter(path: Path, config: dict, seed: int = 1, dtype=mx.float32) -> Path:
     """Random drafter weights saved like the released PyTorch checkpoints."""
     path.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
-    model = Drafter(DrafterArgs.from_config(config))
+    model = make_drafter(config)
     weights = {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config))
@@ -167,8 +175,8 @@ class RowOracleDrafter(Drafter):
         self.update(drafter.parameters())
         self.refs, self.wrong, self.engine = {}, {}, None
 
-    def draft_rows(self, block_embeddings, context_hidden, cache, lm_head, ops):
-        logits = super().draft_rows(block_embeddings, context_hidden, cache, lm_head, ops)
+    def __call__(self, block_embeddings, context_hidden, cache, lm_head, ops):
+        logits = super().__call__(block_embeddings, context_hidden, cache, lm_head, ops)
         R, L = block_embeddings.shape[:2]
         if L == 1:  # a prompt chunk absorbed while prefilling: nothing drafted
             return logits
@@ -182,3 +190,105 @@ class RowOracleDrafter(Drafter):
         # Depends on the real logits (so the forward runs) without their -inf
         # outside a draft vocabulary.
         return mx.depends(mx.where(hot, 30.0, 0.0), logits)
+# -- released checkpoint layouts ---------------------------------------------------
+
+SLIDING_WINDOW = 8
+LAYOUTS = ["original", "2026", "gemma", "dflash2"]
+# Longer than twice the window; released_drafters (conftest) trains on the target's answers to them.
+LAYOUT_PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n# now subtract\n"]
+TRANSFORMERS_5_KEYS = {"transformers_version": "5.0.0", "use_cache": True, "attention_bias": False,
+                       "attention_dropout": 0.0, "hidden_act": "silu", "tie_word_embeddings": False}
+
+
+def layout_config(original: dict, layout: str) -> dict:
+    """A drafter config.json in one of the layouts z-lab has released, from an original-layout one.
+
+    - ``original``: ``block_size`` and ``rope_theta`` at the top level, ``torch_dtype``.
+    - ``2026``: ``block_size`` in ``dflash_config``, YaRN RoPE in ``rope_parameters`` and no
+      top-level ``rope_theta``, ``dtype``, sliding-window layers but the last, ``is_causal``,
+      transformers-5 keys.
+    - ``gemma``: the Gemma-target scalings (in ``dflash_config``; the softcap at the top level).
+    - ``dflash2``: the DFlash2 architecture in the 2026 layout, every layer sliding.
+    """
+    c = json.loads(json.dumps(original))
+    if layout in ("2026", "dflash2"):
+        n = c["num_hidden_layers"]
+        c["dflash_config"]["block_size"] = c.pop("block_size")
+        c["rope_parameters"] = {"rope_theta": c.pop("rope_theta"), "rope_type": "yarn", "factor": 2.0,
+                                "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0}
+        c.pop("rope_scaling", None)
+        c["dtype"] = c.pop("torch_dtype", "float32")
+        c["sliding_window"] = SLIDING_WINDOW
+        c.update(TRANSFORMERS_5_KEYS)
+        if layout == "2026":
+            c["layer_types"] = ["sliding_attention"] * (n - 1) + ["full_attention"]
+            c["is_causal"] = True
+        else:
+            c["layer_types"] = ["sliding_attention"] * n
+            c["architectures"] = ["DFlash2DraftModel"]
+            c["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=4)
+    elif layout == "gemma":
+        c["dflash_config"].update(input_embedding_scale=1.25, output_multiplier=0.8)
+        c["final_logit_softcapping"] = 8.0
+    return c
+
+
+def save_released(path: Path, drafter: Drafter, config: dict) -> Path:
+    """``drafter``'s weights under the released names (DFlash2 codebooks without ``.weight``)."""
+    path.mkdir(parents=True, exist_ok=True)
+    weights = {k.removesuffix(".weight") if "_codebook." in k else k: v for k, v in tree_flatten(drafter.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def train_drafter(drafter: Drafter, target, sequences: list[tuple[list[int], int]], steps: int, seed: int = 0) -> Drafter:
+    """A few hundred Adam steps on the target's own greedy answers, one random block per step.
+
+    ``sequences`` are (prompt + answer tokens, prompt length); ``target`` a dflash_mlx
+    Target. Drafters must really draft in the equality tests (a random one accepts
+    nothing and would hide a wrong forward); memorising the test prompts' answers is
+    enough for that and takes seconds.
+    """
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    from dflash_mlx.kernels import get_ops
+
+    rng, ops, B = np.random.default_rng(seed), get_ops(False), 8
+    hidden = [target(mx.array([s]), None)[1] for s, _ in sequences]
+    mask = drafter.args.mask_token_id
+
+    def loss(model, tokens, anchor, context):
+        block = mx.array([tokens[anchor]] + [mask] * (B - 1))
+        logits = model(target.embed(block)[None], context[:, :anchor], model.make_cache(), target.lm_head, ops)[0]
+        return nn.losses.cross_entropy(logits, mx.array(tokens[anchor + 1 : anchor + B])).mean()
+
+    step, optimizer = nn.value_and_grad(drafter, loss), optim.Adam(3e-3)
+    for _ in range(steps):
+        i = rng.integers(len(sequences))
+        tokens, prompt_len = sequences[i]
+        _, grads = step(drafter, tokens, int(rng.integers(prompt_len - 1, len(tokens) - B)), hidden[i])
+        optimizer.update(drafter, grads)
+        mx.eval(drafter.parameters(), optimizer.state)
+    return drafter
+
+
+def with_layers_of(drafter: Drafter, trained: Drafter, seed: int = 0) -> Drafter:
+    """``drafter`` (any layout of the same shape) with ``trained``'s weights. DFlash2 extras start
+    near neutral: convolutions near the identity, the selector's codebooks small and random, so
+    they change some picks but not most."""
+    drafter.load_weights(list(tree_flatten(trained.parameters())), strict=False)
+    mx.random.seed(seed)
+    for layer in drafter.layers:
+        for conv in (layer.get("attention_conv"), layer.get("mlp_conv")):
+            if conv is not None:
+                conv.base_kernel = mx.zeros_like(conv.base_kernel).at[:, 0].add(1.0)
+                conv.kernel_projection.weight = 0.02 * mx.random.normal(conv.kernel_projection.weight.shape)
+    selector = drafter.get("candidate_selector")
+    if selector is not None:
+        for book in (selector.predecessor_codebook, selector.successor_codebook):
+            book.weight = 0.5 * mx.random.normal(book.weight.shape)
+        selector.hidden_projection.weight = 0.3 * mx.random.normal(selector.hidden_projection.weight.shape)
+    mx.eval(drafter.parameters())
+    return drafter

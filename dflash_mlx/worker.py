@@ -1,0 +1,241 @@
+"""The generation worker of ``dflash-mlx serve``: one thread owns the model and runs every job.
+
+MLX streams are per thread, so all MLX work happens here. The interface is
+small on purpose, so that the loop can become a batching scheduler without
+touching the protocol or the HTTP code: ``submit`` a ``Job``, read its
+``events`` queue (responses, then exactly one ``End``), ``cancel`` it. An
+exception in one job ends that job (``End`` carries the message and an HTTP
+status) and the worker takes the next; ``state`` says whether it can serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from .errors import DFlashError, one_line
+from .request import GenerationParams
+
+SHUTTING_DOWN = "the server is shutting down"
+
+
+@dataclass(frozen=True)
+class End:
+    """The last event of every job: ``error`` is None when it ran to its end (or its client left)."""
+
+    error: str | None = None
+    status: int = 200
+
+
+class Job:
+    """One generation: what to generate, the worker's responses, and a way to stop it."""
+
+    def __init__(self, params: GenerationParams):
+        self.params = params
+        self.events: queue.Queue = queue.Queue()  # GenerationResponse, ..., then one End
+        self.cached_tokens = 0  # prompt tokens served from the conversation cache
+        self.reason: str | None = None  # why it was cancelled, when the client should be told
+        self._cancelled = threading.Event()
+
+    def cancel(self, reason: str | None = None) -> None:
+        self.reason = self.reason or reason
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class Unavailable(Exception):
+    """The worker cannot take jobs (loading, failed or stopping); the message says which."""
+
+
+class Metrics:
+    """Counters for /metrics (Prometheus text format)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = self.failed = self.cancelled = 0
+        self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.generation_seconds = 0.0
+        self.steps = self.step_tokens = self.plain_steps = 0
+        self.drafted_tokens = self.copied_tokens = 0
+        self.last_tps = 0.0
+        self.last_speculative = 0
+
+    def render(self, active: int, queued: int) -> str:
+        with self.lock:
+            tau = self.step_tokens / self.steps if self.steps else 0.0
+            tps = self.completion_tokens / self.generation_seconds if self.generation_seconds else 0.0
+            rows = [
+                ("requests_total", "counter", "Completion requests accepted", self.requests),
+                ("requests_failed_total", "counter", "Requests that failed in generation", self.failed),
+                ("requests_cancelled_total", "counter", "Requests whose client went away before the end", self.cancelled),
+                ("requests_active", "gauge", "Requests generating now", active),
+                ("requests_queued", "gauge", "Requests waiting for the worker", queued),
+                ("prompt_tokens_total", "counter", "Prompt tokens received", self.prompt_tokens),
+                ("prompt_cached_tokens_total", "counter", "Prompt tokens served from the cache", self.cached_tokens),
+                ("completion_tokens_total", "counter", "Tokens generated", self.completion_tokens),
+                ("generation_seconds_total", "counter", "Seconds spent generating", self.generation_seconds),
+                ("tokens_per_second", "gauge", "Generated tokens per second over all requests", tps),
+                ("last_tokens_per_second", "gauge", "Generation tokens per second of the last request", self.last_tps),
+                ("tau", "gauge", "Mean tokens committed per draft-verify step", tau),
+                ("steps_total", "counter", "Decode steps", self.steps),
+                ("plain_steps_total", "counter", "Steps decoded without a draft (block size 1)", self.plain_steps),
+                ("drafted_tokens_total", "counter", "Accepted tokens the drafter proposed", self.drafted_tokens),
+                ("copied_tokens_total", "counter", "Accepted tokens copied from earlier text", self.copied_tokens),
+                ("speculative", "gauge", "1 if the last request drafted, 0 if it decoded plainly", self.last_speculative),
+            ]
+        lines = []
+        for name, kind, help, value in rows:
+            lines += [f"# HELP dflash_{name} {help}", f"# TYPE dflash_{name} {kind}", f"dflash_{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+
+class Worker(threading.Thread):
+    """Owns the model: loads it, calibrates it, and runs every job, one at a time."""
+
+    def __init__(self, args: argparse.Namespace, metrics: Metrics):
+        super().__init__(name="dflash-worker", daemon=True)
+        self.args, self.metrics = args, metrics
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.ready = threading.Event()  # set once loading ended, well or not
+        self.state, self.error = "loading", None  # loading, ready, failed, stopping, stopped
+        self.current: Job | None = None
+        self.model = self.tokenizer = self.prompt_cache = None
+        self._lock = threading.Lock()  # orders submit() against close() and failure
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; ``Unavailable`` if the worker cannot run it."""
+        with self._lock:
+            if self.state != "ready":
+                raise Unavailable(self.error or f"the model is {self.state}")
+            self.jobs.put(job)
+
+    def close(self) -> None:
+        """Refuse new jobs, end the queued and running ones (503), and let the thread finish."""
+        with self._lock:
+            if self.state in ("loading", "ready"):
+                self.state, self.error = "stopping", SHUTTING_DOWN
+            if self.current is not None:
+                self.current.cancel(SHUTTING_DOWN)
+            self.jobs.put(None)
+
+    @property
+    def active(self) -> int:
+        return int(self.current is not None)
+
+    def run(self) -> None:
+        try:
+            self._load()
+        except BaseException as e:  # reported through `state`; the starting thread exits cleanly
+            self.state = "failed"
+            self.error = str(e) if isinstance(e, DFlashError) else f"could not load the model: {one_line(e)}"
+            self.ready.set()
+            return
+        with self._lock:
+            if self.state == "loading":
+                self.state = "ready"
+        self.ready.set()
+        try:
+            while (job := self.jobs.get()) is not None:
+                self._run(job)
+        except BaseException as e:  # a bug in the loop itself: say so on /health instead of hanging
+            logging.exception("the generation worker stopped")
+            with self._lock:
+                self.state, self.error = "failed", f"the generation worker stopped: {one_line(e)}"
+        else:
+            self.state = "stopped"
+        while not self.jobs.empty():  # jobs queued behind the end
+            if (job := self.jobs.get()) is not None:
+                job.events.put(End(self.error or SHUTTING_DOWN, 503))
+
+    def _load(self) -> None:
+        from .adaptive import cost_curve
+        from .model import load
+
+        # Under mlx.launch only rank 0 returns (and serves); the other ranks follow it inside load.
+        self.model, self.tokenizer = load(self.args.model, self.args.draft, getattr(self.args, "chat_template", None),
+                                          pipeline=getattr(self.args, "pipeline", False))
+        if self.args.block_size == "auto":
+            cost_curve(self.model)  # calibrate now, not during the first request
+
+    def _run(self, job: Job) -> None:
+        with self._lock:  # so that close() either sees this job running or finds the state changed
+            if self.state != "ready":
+                job.cancel(self.error or SHUTTING_DOWN)
+            elif not job.cancelled:
+                self.current = job
+        end = End(job.reason, 503) if job.cancelled else None
+        if end is None:
+            try:
+                self._generate(job)
+                end = End(job.reason, 503) if job.reason else End()
+            except DFlashError as e:  # a setting the request checks did not catch
+                end = End(str(e), 400)
+            except Exception as e:
+                logging.exception("generation failed")
+                self.prompt_cache = None  # its contents are unknown after a failure
+                with self.metrics.lock:
+                    self.metrics.failed += 1
+                end = End(f"generation failed: {one_line(e)}", 500)
+            finally:
+                self.current = None
+        job.events.put(end)
+
+    def _cache(self):
+        from .decode import DecodeCache
+
+        if self.prompt_cache is None:
+            self.prompt_cache = DecodeCache.new(self.model.target, self.model.drafter, self.args.draft_window)
+        return self.prompt_cache
+
+    def _arguments(self, p: GenerationParams) -> dict:
+        """``stream_generate`` keyword arguments for a job's parameters."""
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+        kwargs = dict(temp=p.temp, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, block_size=p.block_size or self.args.block_size,
+                      copy_proposals=getattr(self.args, "copy_proposals", True))
+        if p.xtc_probability > 0 and p.temp > 0:
+            # XTC is an opaque sampler: still exact (the match strategy), but it accepts fewer drafts.
+            specials = self.tokenizer.encode("\n", add_special_tokens=False) + list(self.tokenizer.eos_token_ids)
+            kwargs["sampler"] = make_sampler(p.temp, p.top_p, p.min_p, 1, p.top_k, p.xtc_probability, p.xtc_threshold, specials)
+        if p.logits:
+            kwargs["logits_processors"] = make_logits_processors(**p.logits)
+        return kwargs
+
+    def _generate(self, job: Job) -> None:
+        import mlx.core as mx
+
+        from .generation import stream_generate
+
+        p = job.params
+        kwargs = self._arguments(p)
+        cache = self._cache()
+        job.cached_tokens = cache.reuse(p.prompt, self.model.target)
+        if p.seed is not None:
+            mx.random.seed(p.seed)
+        tic, response = time.perf_counter(), None
+        for response in stream_generate(self.model, self.tokenizer, p.prompt, p.max_tokens, prompt_cache=cache, **kwargs):
+            job.events.put(response)
+            if job.cancelled:
+                break
+        if response is None:
+            return
+        s, m = response.stats, self.metrics
+        with m.lock:
+            m.prompt_tokens += len(p.prompt)
+            m.cached_tokens += job.cached_tokens
+            m.completion_tokens += response.generation_tokens
+            m.generation_seconds += time.perf_counter() - tic
+            m.steps += len(s.acceptance_lengths)
+            m.step_tokens += sum(s.acceptance_lengths)
+            m.plain_steps += sum(1 for b in s.block_sizes if b == 1)
+            m.drafted_tokens += s.drafted
+            m.copied_tokens += s.copied
+            m.last_tps = response.generation_tps
+            m.last_speculative = int(s.speculative)

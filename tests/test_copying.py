@@ -1,0 +1,184 @@
+"""Copy proposals: the index, the merge with drafts, and that output stays exact with copies on.
+
+The statistical test uses a fixed seed and a chi-square test at significance ALPHA = 1e-3 (a
+correct implementation fails it for at most one seed in a thousand; the seed is fixed, so the
+outcome is reproducible).
+"""
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from stats import ALPHA, chi_square_p_value
+from tiny import OracleDrafter
+
+import dflash_mlx
+from dflash_mlx import DFlashModel, stream_generate
+from dflash_mlx.adaptive import AdaptiveBlockSize, CostCurve, FixedBlockSize
+from dflash_mlx.copying import Copy, CopyIndex, common_run, merge
+from dflash_mlx.decode import DecodeCache, speculative_decode
+from dflash_mlx.kernels import get_ops, rejection_accept_twin
+from dflash_mlx.sampling import SamplingParams, make_strategy, probabilities
+
+
+def test_index_finds_the_longest_recent_match():
+    #        0  1  2  3  4  5  6  7  8  9 10 11
+    text = [1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3]
+    copy = CopyIndex(text).suggest(3)
+    # "2 3" ends at 3 and 7; "1 2 3" (a longer match) only at 3: its continuation wins.
+    assert copy == Copy([4, 9, 2], 3)
+    index = CopyIndex(text[:6])
+    assert index.suggest(2) is None or index.suggest(2).tokens != [4, 9]  # "9 2" had no earlier match
+    index.extend(text[6:])  # incremental: the same answer as an index built at once
+    assert index.suggest(3) == copy
+    assert CopyIndex([1, 2]).suggest(4) is None and CopyIndex([5, 6, 7, 8]).suggest(4) is None
+
+
+def test_a_loop_continues_itself():
+    # A period-3 loop: the continuation runs past the end of the text into itself.
+    copy = CopyIndex([7, 1, 2, 3, 1, 2, 3, 1]).suggest(8)
+    assert copy.tokens == [2, 3, 1, 2, 3, 1, 2, 3] and copy.match == 4  # "1 2 3 1" matched
+    assert CopyIndex([4, 4, 4]).suggest(5).tokens == [4] * 5
+
+
+def test_merge_keeps_agreement_and_never_switches_back():
+    drafted, copied = mx.array([5, 6, 7, 8, 9]), mx.array([5, 6, 1, 2, 3])
+    sure, unsure = mx.array([0.9] * 5), mx.array([0.1] * 5)
+    tokens, from_copy = merge(drafted, unsure, copied, sure)
+    assert tokens.tolist() == [5, 6, 1, 2, 3] and from_copy.tolist() == [False, False, True, True, True]
+    tokens, from_copy = merge(drafted, sure, copied, unsure)
+    assert tokens.tolist() == [5, 6, 7, 8, 9] and not from_copy.any().item()
+    # Agreement everywhere: the common tokens, counted as the drafter's.
+    tokens, from_copy = merge(drafted, unsure, drafted, sure)
+    assert tokens.tolist() == drafted.tolist() and not from_copy.any().item()
+    # The choice weighs the whole run after the split, not its first position alone.
+    drafter_rates = mx.array([1.0, 1.0, 0.6, 0.6, 0.6])
+    copy_rates = mx.array([1.0, 1.0, 0.7, 0.1, 0.1])
+    assert merge(drafted, drafter_rates, copied, copy_rates)[1].sum().item() == 0
+
+
+def test_common_run():
+    assert common_run([1, 2, 3], [1, 2, 9]) == (3, 2)  # missed at the third
+    assert common_run([1, 2], [1, 2, 3]) == (2, 2)  # every proposal right
+    assert common_run([1, 2, 3], [1, 2]) == (2, 2)  # right as far as anything is known
+    assert common_run([4], [1]) == (1, 0)
+
+
+def test_policies_pick_the_source_that_is_accepted_further():
+    fixed = FixedBlockSize(8)
+    copy = Copy([1, 2, 3, 4, 5, 6, 7], match=9)
+    for _ in range(30):  # copies right every time, drafts never
+        fixed.record(fixed.plan(copy, True), [9] * 7, copy, [1, 2, 3, 4, 5, 6, 7, 8], 0.1)
+    assert fixed.plan(copy, True) == fixed.plan(copy, False)
+    plan = fixed.plan(copy, True)
+    assert plan.block_size == 8 and plan.copy and not plan.draft  # copy only: the drafter is skipped
+    assert fixed.plan(None, True).draft  # nothing to copy: draft
+
+    flat = CostCurve(verify={1: 1.0, 16: 1.3}, draft={1: 0.0, 2: 0.2, 16: 0.3})
+    adaptive = AdaptiveBlockSize(flat, 8)
+    long = Copy(list(range(15)), match=9)
+    for _ in range(30):
+        adaptive.record(adaptive.plan(long, True), None, long, list(range(16)), 0.1)
+    plan = adaptive.plan(long, True)
+    assert plan.block_size == 16 and not plan.draft  # longer than the drafter's block: no drafter runs
+    assert adaptive.plan(None, True).draft or adaptive.plan(None, True).plain
+
+
+def test_point_mass_rejection_is_exact():
+    """A copied token under sampling: accepted with probability p(token), else the residual."""
+    rng = np.random.default_rng(0)
+    p = mx.array(rng.dirichlet(np.ones(6) * 0.7, size=3).astype(np.float32))
+    copied = mx.array([2, 4])
+    q = (mx.arange(6)[None] == copied[:, None]).astype(mx.float32)
+    N = 40000
+    uniforms = mx.random.uniform(shape=(N, 3), key=mx.random.key(1))
+    tokens, n = mx.vmap(rejection_accept_twin, in_axes=(None, None, None, 0))(p, q, copied, uniforms)
+    tokens, n, p = np.array(tokens), np.array(n), np.array(p)
+    assert chi_square_p_value(np.bincount(tokens[:, 0], minlength=6), p[0]) > ALPHA
+    assert chi_square_p_value(np.bincount(tokens[n >= 1, 1], minlength=6), p[1]) > ALPHA
+    assert abs((n >= 1).mean() - p[0, 2]) < 5 * np.sqrt(p[0, 2] * (1 - p[0, 2]) / N)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def family(request, tiny_pair, tmp_path_factory):
+    target, draft = tiny_pair(request.param)
+    # Half of tiny.py's weight scale: a target whose greedy answers fall into loops, as real
+    # answers partly repeat themselves, so copies get accepted as well as rejected.
+    looping = tmp_path_factory.mktemp("looping") / request.param
+    shutil.copytree(target, looping)
+    weights = mx.load(str(looping / "model.safetensors"))
+    mx.save_safetensors(str(looping / "model.safetensors"),
+                        {k: v * 0.5 if v.ndim == 2 and "embed" not in k else v for k, v in weights.items()})
+    model, tokenizer = dflash_mlx.load(str(looping), str(draft))
+    prompts = [tokenizer.encode(t) for t in ("abcabcabcabc", "one two one two one two", "x = [1, 2, 3, 1, 2, 3")]
+    refs = [[int(t) for t, _ in generate_step(mx.array(p), model.target.model, max_tokens=40)] for p in prompts]
+    return model, tokenizer, prompts, refs
+
+
+@pytest.mark.parametrize("block_size", [4, 16, "auto"])
+@pytest.mark.parametrize("drafter", ["random", "oracle-corrupt"])
+def test_greedy_with_copies_matches_mlx_lm(family, block_size, drafter):
+    model, tokenizer, prompts, refs = family
+    copied = copy_steps = 0
+    for prompt, ref in zip(prompts, refs):
+        pair = model if drafter == "random" else DFlashModel(model.target, OracleDrafter(model.drafter, prompt + ref, 5))
+        policy = AdaptiveBlockSize(CostCurve({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.1, 16: 0.2}), 16) if block_size == "auto" else block_size
+        responses = list(stream_generate(pair, tokenizer, prompt, 40, block_size=policy))
+        out = [r.token for r in responses]
+        assert out == ref[: len(out)] and (len(out) == 40 or out[-1] == 2)
+        s = responses[-1].stats
+        assert s.copied + s.drafted == sum(s.acceptance_lengths) - len(s.acceptance_lengths)
+        copied, copy_steps = copied + s.copied, copy_steps + s.copy_steps
+    assert copied > 0 and copy_steps > 0  # copies were really proposed and accepted
+
+
+def test_copies_off_proposes_none(family):
+    model, tokenizer, prompts, refs = family
+    responses = list(stream_generate(model, tokenizer, prompts[0], 40, block_size=8, copy_proposals=False))
+    assert [r.token for r in responses] == refs[0][: len(responses)]
+    assert responses[-1].stats.copied == 0 and "copy proposals off" in dflash_mlx.generation.format_stats(responses[-1])
+
+
+def test_sampling_with_copies_is_exact(tiny_pair):
+    """The second generated token follows the target's exact marginal while copy-only steps run."""
+    model, tokenizer = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
+    target = model.target.model
+    params = SamplingParams(temp=1.0)
+    # Ends with "x" after "x" + every character: whatever the first token, its key was seen, so
+    # the second step copies.
+    from tiny import CHARS
+
+    prompt = tokenizer.encode("x" + "x".join(CHARS) + "x")
+    first = np.array(probabilities(target(mx.array([prompt]))[0, -1:], params))[0]
+    second = np.array(probabilities(target(mx.array([prompt + [t] for t in range(len(first))]))[:, -1], params))
+    expected = first @ second
+
+    class CopyFirst(FixedBlockSize):
+        """Copy only whenever there is something to copy (the copies' prior says they always win)."""
+
+        def __init__(self):
+            super().__init__(4)
+            for rates in self.acceptance.copies:
+                rates.rates = [1.0] * len(rates.rates)
+            self.copy_only = 0
+
+        def record(self, plan, drafted, copy, committed, seconds):
+            self.copy_only += plan.copy and not plan.draft
+
+    strategy = make_strategy(params, None, get_ops())
+    mx.random.seed(4321)
+    counts, copy_steps, accepted, runs = np.zeros(len(first), int), 0, 0, 600
+    cache = DecodeCache.new(model.target, model.drafter)  # reused: each run prefills one token
+    for _ in range(runs):
+        policy = CopyFirst()
+        steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy, block_size=policy,
+                                   max_tokens=4, prompt_cache=cache)
+        next(steps)
+        step = next(steps)
+        counts[step.tokens[0]] += 1
+        copy_steps += policy.copy_only
+        accepted += step.copied > 0
+    assert chi_square_p_value(counts, expected) > ALPHA
+    assert copy_steps > 0.8 * runs and 0 < accepted < copy_steps  # copies ran, some accepted, some rejected
