@@ -106,7 +106,7 @@ def calibrate(
 
     def run_draft(B: int) -> None:
         block = target.embed(tokens[context : context + B][None])
-        proposals, _ = drafter.propose(block, tokens[context : context + 1], hidden[:, -2:], draft_cache, head, greedy)
+        proposals, _, _ = drafter.propose(block, tokens[context : context + 1], hidden[:, -2:], draft_cache, head, greedy)
         mx.eval(proposals)
         for c in draft_cache:
             c.trim(2)
