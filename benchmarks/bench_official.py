@@ -25,7 +25,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import dflash_mlx  # noqa: E402  (loads OpenBLAS before mlx.core)
-import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 

@@ -369,11 +369,16 @@ class Drafter(nn.Module):
         cache: list,
         lm_head: Callable[[mx.array], mx.array],
         strategy: Any,
-    ) -> tuple[mx.array, mx.array | None]:
-        """Proposals (B, L-1) and the distribution q (B, L-1, V) they were drawn from.
+    ) -> tuple[mx.array, mx.array | None, mx.array]:
+        """Proposals (B, L-1), the distribution q (B, L-1, V) they were drawn from (None when
+        they are a deterministic pick) and the drafter's probability of its top token at each
+        position (B, L-1), which weighs a copy proposal against it (copying.merge).
 
         ``strategy`` (sampling.py) picks from each row's scores; a DFlash drafter's
         rows are independent, so the whole block is picked at once. ``anchor`` (B,)
         is unused here; DFlash2 conditions each pick on the one before.
         """
-        return strategy.propose(self(block_embeddings, context_hidden, cache, lm_head, strategy.ops))
+        logits = self(block_embeddings, context_hidden, cache, lm_head, strategy.ops)
+        tokens, q = strategy.propose(logits)
+        # Lazy: computed only when a copy proposal is weighed against this one.
+        return tokens, q, mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))

@@ -106,8 +106,9 @@ class CandidateSelector(nn.Module):
 
     def __call__(
         self, hidden: mx.array, logits: mx.array, anchor: mx.array, pick: Pick
-    ) -> tuple[mx.array, mx.array, mx.array | None]:
-        """Tokens (B, P), candidates (B, P, k) and each position's q over them (B, P, k) or None.
+    ) -> tuple[mx.array, mx.array, mx.array | None, mx.array]:
+        """Tokens (B, P), candidates (B, P, k), each position's q over them (B, P, k) or None, and
+        the selector's probability of each chosen token (B, P).
 
         hidden: (B, P, H) final-normed drafter states, logits: (B, P, V),
         anchor: (B,) the token before position 0. ``pick`` maps a row of scores
@@ -117,15 +118,19 @@ class CandidateSelector(nn.Module):
         unary = mx.take_along_axis(logits, candidates, axis=-1)
         # succ[candidate] * (P h): the pairwise term is its dot product with pred[prev].
         weighted = self.successor_codebook(candidates) * self.hidden_projection(hidden)[:, :, None]
-        previous, tokens, qs = anchor, [], []
+        previous, tokens, qs, confidences = anchor, [], [], []
         for i in range(hidden.shape[1]):
             edges = (weighted[:, i] @ self.predecessor_codebook(previous)[:, :, None])[..., 0]
-            index, q = pick(unary[:, i] + edges)
-            previous = mx.take_along_axis(candidates[:, i], index[:, None].astype(mx.int32), axis=-1)[:, 0]
+            scores = unary[:, i] + edges
+            index, q = pick(scores)
+            index = index[:, None].astype(mx.int32)
+            previous = mx.take_along_axis(candidates[:, i], index, axis=-1)[:, 0]
             tokens.append(previous)
             qs.append(q)
+            # Lazy: computed only when a copy proposal is weighed against this one.
+            confidences.append(mx.exp(mx.take_along_axis(scores, index, axis=-1)[:, 0] - mx.logsumexp(scores, axis=-1)))
         q = None if qs[0] is None else mx.stack(qs, axis=1)
-        return mx.stack(tokens, axis=1), candidates, q
+        return mx.stack(tokens, axis=1), candidates, q, mx.stack(confidences, axis=1)
 
 
 class DFlash2Drafter(Drafter):
@@ -146,10 +151,10 @@ class DFlash2Drafter(Drafter):
         cache: list,
         lm_head: Callable[[mx.array], mx.array],
         strategy: Any,
-    ) -> tuple[mx.array, mx.array | None]:
+    ) -> tuple[mx.array, mx.array | None, mx.array]:
         hidden = self.hidden(block_embeddings, context_hidden, cache, strategy.ops)
         logits = self.logits(hidden, lm_head)
-        tokens, candidates, q = self.candidate_selector(hidden, logits, anchor, strategy.propose)
+        tokens, candidates, q, confidence = self.candidate_selector(hidden, logits, anchor, strategy.propose)
         if q is not None:  # the selector's distribution, placed in the vocabulary
             q = mx.put_along_axis(mx.zeros(logits.shape, q.dtype), candidates, q, axis=-1)
-        return tokens, q
+        return tokens, q, confidence

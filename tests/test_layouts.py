@@ -77,7 +77,7 @@ def selector_samples(pair, prompt, params, rows, seed):
     block = mx.array([anchor, drafter.args.mask_token_id, drafter.args.mask_token_id])
     embedded = mx.broadcast_to(target.embed(block)[None], (rows, 3, target.hidden_size))
     context = mx.broadcast_to(hidden[:, :-1], (rows, len(context_tokens), hidden.shape[-1]))
-    proposals, q = drafter.propose(embedded, mx.full((rows,), anchor), context, drafter.make_cache(),
+    proposals, q, _ = drafter.propose(embedded, mx.full((rows,), anchor), context, drafter.make_cache(),
                                    target.lm_head, Rejection(params, OPS))
     # The third row (the bonus after two accepted proposals) is never examined: any p will do.
     p = mx.stack([mx.broadcast_to(p0, (rows, V)), p1[proposals[:, 0]], mx.broadcast_to(p0, (rows, V))], axis=1)

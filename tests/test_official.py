@@ -110,7 +110,7 @@ def test_logits_equal_official(released_drafters, layout):
         want = theirs(block[None], chunk, their_cache, logits_start=1)
         np.testing.assert_allclose(np.array(logits), np.array(want), atol=1e-4, rtol=1e-4)
         if layout == "dflash2":
-            got, _ = ours.propose(embedded, block[:1], chunk, our_picks, target.lm_head, Greedy(OPS))
+            got, _, _ = ours.propose(embedded, block[:1], chunk, our_picks, target.lm_head, Greedy(OPS))
             want = theirs.propose(block[None], chunk, their_picks, 0.0, logits_start=1)[0]
             assert got.tolist() == want.tolist()
             reranked += (got != mx.argmax(logits, axis=-1)).sum().item()
