@@ -37,6 +37,7 @@ from mlx_lm.generate import StopSequences
 
 from . import kernels
 from .adaptive import AdaptiveBlockSize
+from .batch_cache import PromptCache
 from .batch_adaptive import BatchBlockSize, make_batch_policy
 from .decode import LogitsProcessor, apply_processors
 from .drafter import Drafter
@@ -104,9 +105,11 @@ class _Request:
     logprobs: bool
     stats: SpeculativeStats
     tracker: AdaptiveBlockSize | None
+    block_cap: int | None  # the request's own largest block
     cache: list  # one-row caches until the request joins the batch
     draft_cache: list
-    prefilled: int = 0
+    prefilled: int = 0  # prompt tokens in the caches (from the prompt cache, then prefilled)
+    tokens: list[int] = field(default_factory=list)  # prompt, then every committed token
     produced: int = 0
     anchor: int = 0
     history: mx.array | None = None  # prompt + committed tokens, for logits processors
@@ -139,6 +142,7 @@ class BatchEngine:
         completion_batch_size: int = 8,
         prefill_step_size: int = 512,
         use_metal: bool | None = None,
+        prompt_cache_size: int = 4,
     ):
         if completion_batch_size < 1 or prefill_step_size < 1:
             raise DFlashError(
@@ -173,6 +177,8 @@ class BatchEngine:
         self.cache: list | None = None
         self.draft_cache: list | None = None
         self._uids = itertools.count()
+        # Recurrent target layers cannot be trimmed back to a shared prefix.
+        self.prompt_cache = PromptCache(0 if self.target.cache_policy.mixers else prompt_cache_size)
 
     @property
     def idle(self) -> bool:
@@ -197,19 +203,23 @@ class BatchEngine:
         stop_tokens: Iterable[int | Sequence[int]] = (),
         logits_processors: list[LogitsProcessor] | None = None,
         logprobs: bool = False,
+        block_size: int | None = None,
     ) -> int:
         """Queue a request; it joins the batch once its prompt is prefilled. Returns its uid.
 
         Settings are the request's own, as in ``stream_generate``; ``seed`` gives
         it a random stream of its own (at a fixed block size its output does not
         depend on what else is batched with it); ``stop_tokens`` holds token ids
-        or token sequences (the eos ids are not added here).
+        or token sequences (the eos ids are not added here). ``block_size`` caps the
+        blocks of every step this request is in (rows share one block per step).
         """
         prompt = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
         if not prompt:
             raise DFlashError("the prompt is empty: give at least one token of prompt")
         if max_tokens < 1:
             raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
+        if block_size is not None and not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise DFlashError(f"block size {block_size!r} is invalid: use 1..{MAX_BLOCK_SIZE}")
         if seed is not None and sampler is not None:
             raise DFlashError("seed cannot reach a custom sampler (it draws from MLX's global state): "
                               "pass temp/top_p/top_k/min_p instead, or call mx.random.seed")
@@ -223,13 +233,22 @@ class BatchEngine:
             matcher=StopSequences(stops).matcher(),
             key=None if seed is None else mx.random.key(seed),
             logprobs=logprobs,
-            stats=SpeculativeStats(self.block_size, self.ops.path, self.fallbacks, adaptive=self.policy is not None),
+            stats=SpeculativeStats(self.block_size, self.ops.path, self.fallbacks, adaptive=self.policy is not None,
+                                   copy_proposals=False),
+            block_cap=block_size,
             tracker=self.policy.track() if self.policy else None,
             cache=self.target.make_batch_cache(),
             draft_cache=[RaggedKVCache() for _ in self.drafter.layers],
         )
+        request.tokens = list(prompt)
+        if hit := self.prompt_cache.fetch(prompt):
+            request.prefilled, request.cache, request.draft_cache = hit
         self.pending.append(request)
         return request.uid
+
+    def cached_tokens(self, uid: int) -> int:
+        """Prompt tokens a queued or running request took from the prompt cache (or has prefilled)."""
+        return next((r.prefilled for r in [*self.pending, *self.rows] if r.uid == uid), 0)
 
     def cancel(self, uid: int) -> bool:
         """Drop a request, queued or running; its row is freed at once. False if unknown."""
@@ -239,6 +258,8 @@ class BatchEngine:
                 return True
         if uid not in self.uids:
             return False
+        row = self.uids.index(uid)
+        self.prompt_cache.save(self.rows[row].tokens, self.cache, self.draft_cache, row)
         self._keep([i for i, r in enumerate(self.rows) if r.uid != uid])
         return True
 
@@ -287,6 +308,7 @@ class BatchEngine:
 
     def _start(self, request: _Request, token: mx.array, logprob: mx.array | None, events: list[TokenEvent]) -> None:
         if not self._emit(request, token.tolist(), 0, logprob, events):
+            self.prompt_cache.save(request.tokens, request.cache, request.draft_cache, 0)
             return
         if self.cache is None:
             self.cache, self.draft_cache = request.cache, request.draft_cache
@@ -315,6 +337,7 @@ class BatchEngine:
         # Not shortened near a row's max_tokens (the extra tokens are dropped): a
         # seeded row's random draws must not depend on its neighbours' progress.
         B = self.policy.next_block_size([r.tracker for r in rows]) if self.policy else self.block_size
+        B = min([B] + [r.block_cap for r in rows if r.block_cap])
         anchors = mx.array([[r.anchor] for r in rows], mx.int32)
         if B > 1:
             proposals, qs = self._draft(anchors, B)
@@ -346,11 +369,14 @@ class BatchEngine:
                 r.history = mx.concatenate([r.history, block[i, : n + 1]])
             r.stats.acceptance_lengths.append(n + 1)
             r.stats.block_sizes.append(B)
+            r.stats.drafted += n
             if r.tracker:
                 r.tracker.observe(B, n)
             lp = None if logprobs[i] is None else logprobs[i][: n + 1]
             if self._emit(r, committed.tolist(), n, lp, events):
                 keep.append(i)
+            else:
+                self.prompt_cache.save(r.tokens, self.cache, self.draft_cache, i)
         self._keep(keep)
 
     def _draft(self, anchors: mx.array, B: int) -> tuple[mx.array, list[mx.array | None]]:
@@ -384,6 +410,7 @@ class BatchEngine:
         lps = [None] * len(tokens) if logprobs is None else logprobs.tolist()
         for j, (token, lp) in enumerate(zip(tokens, lps)):
             request.produced += 1
+            request.tokens.append(token)
             reason = "stop" if request.matcher.advance(token) else None
             if reason is None and request.produced == request.max_tokens:
                 reason = "length"

@@ -113,6 +113,14 @@ class RaggedKVCache:
         sees_block = in_block & (key <= query) if causal else in_block
         return (sees_context | sees_block)[:, None]
 
+    def take(self, row: int, length: int) -> "RaggedKVCache":
+        """A one-row cache holding the first ``length`` tokens of row ``row``."""
+        out = RaggedKVCache(1, self.window)
+        if self.keys is not None:
+            out.keys, out.values = self.keys[row : row + 1, :, :length], self.values[row : row + 1, :, :length]
+        out._set_lengths([min(length, self.lengths[row])])
+        return out
+
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens of every row."""
         self._set_lengths([max(k - n, 0) for k in self.lengths])

@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p, "Default sampling temperature of a request (0: greedy)")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="Refuse longer prompts (default: the target's max_position_embeddings)")
+    p.add_argument("--decode-concurrency", type=positive_int, default=8,
+                   help="Decode up to this many requests together (the batch engine); 1 serves one at a "
+                        "time, with the conversation cache and copy proposals")
     add_block_arguments(p)
     add_sharding_arguments(p)
 

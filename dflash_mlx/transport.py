@@ -30,7 +30,8 @@ from .errors import one_line
 from .protocol import RequestError, ServerInfo, decode_json, error_body
 from .request import Request, parse_request
 from .responses import Reply
-from .worker import End, Job, Metrics, Unavailable, Worker
+from .jobs import End, Job
+from .worker import Metrics, Unavailable, Worker
 
 MAX_BODY_BYTES = 16 * 2**20
 POLL_SECONDS = 0.2  # how often a waiting handler checks that its client is still there

@@ -1,11 +1,14 @@
 """The generation worker of ``dflash-mlx serve``: one thread owns the model and runs every job.
 
 MLX streams are per thread, so all MLX work happens here. The interface is
-small on purpose, so that the loop can become a batching scheduler without
-touching the protocol or the HTTP code: ``submit`` a ``Job``, read its
-``events`` queue (responses, then exactly one ``End``), ``cancel`` it. An
-exception in one job ends that job (``End`` carries the message and an HTTP
-status) and the worker takes the next; ``state`` says whether it can serve.
+small on purpose, so that the protocol and the HTTP code do not care how jobs
+are run: ``submit`` a ``Job``, read its ``events`` queue (responses, then
+exactly one ``End``), ``cancel`` it. With ``--decode-concurrency`` above 1 and
+a pair the batch engine can batch, jobs run together (``scheduler.py``);
+otherwise one at a time, with the conversation cache and copy proposals
+(/metrics says which, and why). An exception in one job ends that job (``End``
+carries the message and an HTTP status) and the worker takes the next;
+``state`` says whether it can serve.
 """
 
 from __future__ import annotations
@@ -15,39 +18,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 from .errors import DFlashError, one_line
+from .jobs import End, Job
 from .request import GenerationParams
 
 SHUTTING_DOWN = "the server is shutting down"
-
-
-@dataclass(frozen=True)
-class End:
-    """The last event of every job: ``error`` is None when it ran to its end (or its client left)."""
-
-    error: str | None = None
-    status: int = 200
-
-
-class Job:
-    """One generation: what to generate, the worker's responses, and a way to stop it."""
-
-    def __init__(self, params: GenerationParams):
-        self.params = params
-        self.events: queue.Queue = queue.Queue()  # GenerationResponse, ..., then one End
-        self.cached_tokens = 0  # prompt tokens served from the conversation cache
-        self.reason: str | None = None  # why it was cancelled, when the client should be told
-        self._cancelled = threading.Event()
-
-    def cancel(self, reason: str | None = None) -> None:
-        self.reason = self.reason or reason
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
 
 
 class Unavailable(Exception):
@@ -66,6 +42,8 @@ class Metrics:
         self.drafted_tokens = self.copied_tokens = 0
         self.last_tps = 0.0
         self.last_speculative = 0
+        self.batching: str | None = "not started"  # None when requests are batched, else why not
+        self.engine = None  # the batch engine's EngineStats, when batching
 
     def render(self, active: int, queued: int) -> str:
         with self.lock:
@@ -89,11 +67,25 @@ class Metrics:
                 ("drafted_tokens_total", "counter", "Accepted tokens the drafter proposed", self.drafted_tokens),
                 ("copied_tokens_total", "counter", "Accepted tokens copied from earlier text", self.copied_tokens),
                 ("speculative", "gauge", "1 if the last request drafted, 0 if it decoded plainly", self.last_speculative),
+                ("batched", "gauge", "1 if concurrent requests are decoded together; if 0, the reason label says why not",
+                 int(self.batching is None)),
             ]
+            if (e := self.engine) is not None:
+                rows += [
+                    ("batch_steps_total", "counter", "Batch engine steps", e.steps),
+                    ("batch_rows_mean", "gauge", "Mean requests per batch engine step", e.mean_rows),
+                    ("batch_ragged_steps_total", "counter", "Batch steps whose rows accepted different counts", e.ragged_steps),
+                ]
         lines = []
         for name, kind, help, value in rows:
-            lines += [f"# HELP dflash_{name} {help}", f"# TYPE dflash_{name} {kind}", f"dflash_{name} {value}"]
+            label = f'{{reason="{_label(self.batching)}"}}' if name == "batched" and self.batching else ""
+            lines += [f"# HELP dflash_{name} {help}", f"# TYPE dflash_{name} {kind}", f"dflash_{name}{label} {value}"]
         return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value: backslashes, quotes and newlines escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 class Worker(threading.Thread):
@@ -106,6 +98,7 @@ class Worker(threading.Thread):
         self.ready = threading.Event()  # set once loading ended, well or not
         self.state, self.error = "loading", None  # loading, ready, failed, stopping, stopped
         self.current: Job | None = None
+        self.batch = None  # a scheduler.BatchScheduler when jobs are batched
         self.model = self.tokenizer = self.prompt_cache = None
         self._lock = threading.Lock()  # orders submit() against close() and failure
 
@@ -121,13 +114,13 @@ class Worker(threading.Thread):
         with self._lock:
             if self.state in ("loading", "ready"):
                 self.state, self.error = "stopping", SHUTTING_DOWN
-            if self.current is not None:
-                self.current.cancel(SHUTTING_DOWN)
+            for job in self.batch.jobs() if self.batch else [self.current] if self.current else []:
+                job.cancel(SHUTTING_DOWN)
             self.jobs.put(None)
 
     @property
     def active(self) -> int:
-        return int(self.current is not None)
+        return len(self.batch.rows) if self.batch else int(self.current is not None)
 
     def run(self) -> None:
         try:
@@ -142,8 +135,11 @@ class Worker(threading.Thread):
                 self.state = "ready"
         self.ready.set()
         try:
-            while (job := self.jobs.get()) is not None:
-                self._run(job)
+            if self.batch:
+                self._serve_batched()
+            else:
+                while (job := self.jobs.get()) is not None:
+                    self._run(job)
         except BaseException as e:  # a bug in the loop itself: say so on /health instead of hanging
             logging.exception("the generation worker stopped")
             with self._lock:
@@ -161,7 +157,27 @@ class Worker(threading.Thread):
         # Under mlx.launch only rank 0 returns (and serves); the other ranks follow it inside load.
         self.model, self.tokenizer = load(self.args.model, self.args.draft, getattr(self.args, "chat_template", None),
                                           pipeline=getattr(self.args, "pipeline", False))
-        if self.args.block_size == "auto":
+        concurrency = getattr(self.args, "decode_concurrency", 1)
+        if concurrency > 1 and getattr(self.model.target, "start_record", None):
+            self.metrics.batching = "a sharded target serves one request at a time"
+        elif concurrency > 1 and self.args.draft_window:
+            self.metrics.batching = "--draft-window bounds the drafter of one-at-a-time decoding only"
+        elif concurrency > 1:
+            from .batch import BatchEngine
+            from .scheduler import BatchScheduler
+
+            def engine() -> BatchEngine:
+                made = BatchEngine(self.model, block_size=self.args.block_size, completion_batch_size=concurrency)
+                self.metrics.engine = made.stats
+                return made
+
+            batch = BatchScheduler(engine, self.tokenizer, self._record)
+            self.metrics.batching = batch.engine.stats.reason
+            if self.metrics.batching is None:
+                self.batch = batch
+        else:
+            self.metrics.batching = "--decode-concurrency is 1"
+        if self.args.block_size == "auto" and not self.batch:
             cost_curve(self.model)  # calibrate now, not during the first request
 
     def _run(self, job: Job) -> None:
@@ -186,6 +202,41 @@ class Worker(threading.Thread):
             finally:
                 self.current = None
         job.events.put(end)
+
+    def _serve_batched(self) -> None:
+        """Admit every queued job between engine steps; wait only while nothing runs."""
+        while True:
+            wait = self.batch.idle
+            while True:
+                try:
+                    job = self.jobs.get(block=wait)
+                except queue.Empty:
+                    break
+                if job is None:
+                    self.batch.fail_all(self.error or SHUTTING_DOWN, 503)
+                    return
+                self._admit(job)
+                wait = False
+            try:
+                self.batch.step()
+            except Exception as e:
+                logging.exception("generation failed")
+                failed = self.batch.fail_all(f"generation failed: {one_line(e)}")
+                with self.metrics.lock:
+                    self.metrics.failed += failed
+
+    def _admit(self, job: Job) -> None:
+        with self._lock:  # as in _run: close() either cancels this job or finds the state changed
+            if self.state != "ready":
+                job.cancel(self.error or SHUTTING_DOWN)
+            elif not job.cancelled:
+                try:
+                    self.batch.admit(job, self._arguments(job.params))
+                    return
+                except DFlashError as e:
+                    job.events.put(End(str(e), 400))
+                    return
+        job.events.put(End(job.reason, 503) if job.reason else End())
 
     def _cache(self):
         from .decode import DecodeCache
@@ -224,18 +275,22 @@ class Worker(threading.Thread):
             job.events.put(response)
             if job.cancelled:
                 break
-        if response is None:
-            return
-        s, m = response.stats, self.metrics
+        if response is not None:
+            self._record(job, response.stats, response.generation_tokens, time.perf_counter() - tic,
+                         response.generation_tps)
+
+    def _record(self, job: Job, s, tokens: int, seconds: float, tps: float) -> None:
+        """A job's counts into the metrics (``s``: its ``SpeculativeStats``)."""
+        m = self.metrics
         with m.lock:
-            m.prompt_tokens += len(p.prompt)
+            m.prompt_tokens += len(job.params.prompt)
             m.cached_tokens += job.cached_tokens
-            m.completion_tokens += response.generation_tokens
-            m.generation_seconds += time.perf_counter() - tic
+            m.completion_tokens += tokens
+            m.generation_seconds += seconds
             m.steps += len(s.acceptance_lengths)
             m.step_tokens += sum(s.acceptance_lengths)
             m.plain_steps += sum(1 for b in s.block_sizes if b == 1)
             m.drafted_tokens += s.drafted
             m.copied_tokens += s.copied
-            m.last_tps = response.generation_tps
+            m.last_tps = tps
             m.last_speculative = int(s.speculative)

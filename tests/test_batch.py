@@ -346,3 +346,38 @@ def test_calibrated_batch_cost_grows_with_rows(tiny_pair):
     for B in (1, 2, 4):
         assert 0 < curve.step_seconds(1, B) <= curve.step_seconds(2, B) <= curve.step_seconds(3, B)
     assert curve.step_seconds(3, 4) >= curve.step_seconds(3, 1)
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "qwen3_5"])
+def test_next_turn_reuses_the_prompt_cache(name):
+    """A request whose prompt extends a finished (or cancelled) one prefills only the new tokens and
+    decodes exactly; recurrent targets cannot trim back to a prefix and reuse nothing."""
+    model = build(name)
+    pair = DFlashModel(Target(model, [0, 2]), make_drafter(model))
+    engine, oracle = oracle_engine(pair, block_size=4, prefill_step_size=8)
+    first = [5, 17, 9, 33, 2, 41, 8, 8, 60, 12]
+    ref = reference(model, first, 16)
+    add(engine, oracle, first, ref, 3, 16)
+    collect(engine)
+    # The next turn: the conversation so far plus a new message; and a request that diverges early.
+    follow = first + ref[:-1] + [44, 19, 6]
+    other = first[:4] + [21, 22]
+    uids = [add(engine, oracle, p, reference(model, p, 12), 2, 12) for p in (follow, other)]
+    cached = [engine.cached_tokens(uid) for uid in uids]
+    events = collect(engine)
+    for uid, prompt in zip(uids, (follow, other)):
+        assert [e.token for e in events[uid]] == reference(model, prompt, 12)
+    if name == "qwen3_5":
+        assert cached == [0, 0]
+    else:
+        # The whole first turn but its last rows (the target never fed its last token back, and the
+        # drafter had yet to take the last step's rows); only the shared 4 tokens of the other.
+        assert len(first) < cached[0] < len(first) + len(ref) and cached[1] == 4
+    # A cancelled request's caches are kept too.
+    uid = add(engine, oracle, other + [7], reference(model, other + [7], 30), 0, 30)
+    engine.step()
+    engine.step()
+    engine.cancel(uid)
+    again = add(engine, oracle, other + [7, 3], reference(model, other + [7, 3], 5), 0, 5)
+    assert engine.cached_tokens(again) == (0 if name == "qwen3_5" else len(other) + 1)
+    assert [e.token for e in collect(engine)[again]] == reference(model, other + [7, 3], 5)
