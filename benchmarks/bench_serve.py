@@ -1,0 +1,134 @@
+"""Concurrent clients against real servers: ours batched, ours one at a time, mlx_lm.server.
+
+    python benchmarks/bench_serve.py [--concurrency 1 2 4 8] [--max-tokens 64] [--rounds 1]
+
+Three servers run side by side on the built-in pair's target (``dflash_mlx.default``):
+
+- ``batched``: ``dflash-mlx serve --decode-concurrency 8`` (the default);
+- ``serial``: ``dflash-mlx serve --decode-concurrency 1`` (one request at a time);
+- ``mlx_lm``: ``mlx_lm.server`` on the target alone: plain decoding, batched, with OpenBLAS loaded
+  first exactly as dflash-mlx loads it, so both use the same BLAS.
+
+At each concurrency c, c clients send the first c MT-Bench questions at once (chat completions,
+greedy, ``--max-tokens`` each, end of text suppressed so every request generates the same count)
+and wait for their answers. The systems take turns for every (round, c), so a busy spell on this
+shared machine falls on all of them. Aggregate tokens/s is every generated token over the wall
+time from the first request to the last answer; latency is each request's time to its last token,
+p50 and p95. ``exact`` compares every answer with the serial server's (which the tests hold to
+mlx_lm's greedy decoding). The table goes to stdout and, with ``--out``, JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from dflash_mlx.benchmark import load_dataset
+from dflash_mlx.default import default_pair
+
+MLX_LM_SERVER = "import dflash_mlx, sys; from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(name: str, argv: list[str]) -> tuple[subprocess.Popen, int]:
+    """Start a server on a free port; return it once the port answers /v1/models."""
+    port = free_port()
+    process = subprocess.Popen(argv + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 900
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the {name} server did not start: {' '.join(argv)}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).read()
+            return process, port
+        except OSError:
+            time.sleep(0.5)
+
+
+def ask(port: int, question: str, max_tokens: int, eos: int) -> tuple[str, int, float]:
+    body = {"model": "default_model", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0.0, "logit_bias": {str(eos): -100.0}}
+    tic = time.perf_counter()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    reply = json.loads(urllib.request.urlopen(request, timeout=3600).read())
+    return reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"], time.perf_counter() - tic
+
+
+def measure(port: int, questions: list[str], max_tokens: int, eos: int) -> dict:
+    tic = time.perf_counter()
+    with ThreadPoolExecutor(len(questions)) as pool:
+        answers = list(pool.map(lambda q: ask(port, q, max_tokens, eos), questions))
+    wall = time.perf_counter() - tic
+    latencies = sorted(a[2] for a in answers)
+    return dict(texts=[a[0] for a in answers], tokens=sum(a[1] for a in answers), seconds=wall,
+                tokens_per_second=sum(a[1] for a in answers) / wall, p50=statistics.median(latencies),
+                p95=latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--block-size", default="auto", help="our servers' --block-size")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    target, draft = default_pair()
+    ours = [sys.executable, "-m", "dflash_mlx", "serve", "--model", target, "--draft", draft, "--block-size",
+            args.block_size]
+    commands = {
+        "batched": ours + ["--decode-concurrency", str(max(args.concurrency))],
+        "serial": ours + ["--decode-concurrency", "1"],
+        "mlx_lm": [sys.executable, "-c", MLX_LM_SERVER, "--model", target],
+    }
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    eos = load_tokenizer(Path(target)).eos_token_id
+    questions = load_dataset("mt-bench", max(args.concurrency))
+    servers = {}
+    try:
+        for name, argv in commands.items():
+            servers[name] = start(name, argv)
+        for _, port in servers.values():  # warm up: first requests compile and fill allocator pools
+            measure(port, questions[:2], 8, eos)
+        runs = {}
+        for _ in range(args.rounds):
+            for c in args.concurrency:
+                for name, (_, port) in servers.items():
+                    runs.setdefault((c, name), []).append(measure(port, questions[:c], args.max_tokens, eos))
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait()
+    results = []
+    print(f"{'clients':>7} {'system':>8} {'tok/s':>7} {'p50 s':>7} {'p95 s':>7} {'exact':>6}  vs mlx_lm  vs serial")
+    for c in args.concurrency:
+        best = {name: max(runs[(c, name)], key=lambda r: r["tokens_per_second"]) for name in commands}
+        for name, r in best.items():
+            exact = r["texts"] == best["serial"]["texts"]
+            results.append(dict(clients=c, system=name, exact=exact, **{k: v for k, v in r.items() if k != "texts"}))
+            print(f"{c:>7} {name:>8} {r['tokens_per_second']:>7.2f} {r['p50']:>7.2f} {r['p95']:>7.2f} {str(exact):>6}"
+                  f"  {r['tokens_per_second'] / best['mlx_lm']['tokens_per_second']:>8.2f}x"
+                  f" {r['tokens_per_second'] / best['serial']['tokens_per_second']:>8.2f}x")
+    if args.out:
+        args.out.write_text(json.dumps(dict(max_tokens=args.max_tokens, block_size=args.block_size,
+                                            load=os.getloadavg(), results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
