@@ -38,7 +38,8 @@ def greedy_run(pair, tokenizer, block_size=8, max_tokens=40):
     tokens, accepted = {}, 0
     for text in LAYOUT_PROMPTS:
         steps = list(speculative_decode(mx.array(tokenizer.encode(text)), pair.target, pair.drafter,
-                                        Greedy(OPS), block_size=block_size, max_tokens=max_tokens))
+                                        Greedy(OPS), block_size=block_size, max_tokens=max_tokens,
+                                        copy_proposals=False))  # the drafter's acceptance alone
         tokens[text] = [t for s in steps for t in s.tokens]
         accepted += sum(s.accepted for s in steps)
     return tokens, accepted
@@ -186,7 +187,7 @@ def test_dflash2_serves_and_benchmarks(released_drafters, tmp_path, capsys):
     import json
     import threading
 
-    from dflash_mlx.server import make_server
+    from dflash_mlx.server import add_arguments, close, make_server
 
     target_dir, tokenizer, folders, _ = released_drafters
     out = tmp_path / "bench.json"
@@ -196,10 +197,10 @@ def test_dflash2_serves_and_benchmarks(released_drafters, tmp_path, capsys):
           "--num-prompts", "2", "--max-tokens", "16", "--block-size", "4", "--output", str(out)])
     (row,) = json.loads(out.read_text())["results"]
     assert row["match"] is True and row["tau"] > 1
-    args = argparse.Namespace(model=str(target_dir), draft=str(folders["dflash2"]), host="127.0.0.1", port=0,
-                              max_tokens=64, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_prompt_tokens=400,
-                              block_size="auto", draft_window=None)
-    server = make_server(args)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server = make_server(parser.parse_args(["--model", str(target_dir), "--draft", str(folders["dflash2"]), "--port", "0",
+                                            "--max-tokens", "64", "--max-prompt-tokens", "400", "--block-size", "auto"]))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -214,6 +215,4 @@ def test_dflash2_serves_and_benchmarks(released_drafters, tmp_path, capsys):
         assert body["choices"][0]["text"] == expected
     finally:
         server.shutdown()
-        server.server_close()
-        server.app.worker.stop()
-        server.app.worker.join(timeout=60)
+        close(server)  # joins the worker
