@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
 from stats import ALPHA, chi_square_p_value
 from tiny import LAYOUT_PROMPTS, LAYOUTS
 
@@ -43,6 +44,24 @@ def greedy_run(pair, tokenizer, block_size=8, max_tokens=40):
         tokens[text] = [t for s in steps for t in s.tokens]
         accepted += sum(s.accepted for s in steps)
     return tokens, accepted
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_copy_proposals_stay_lossless(released_drafters, layout):
+    """Copies merged with every layout's proposals (DFlash2: weighed by its selector's probability)
+    leave the greedy output mlx_lm's."""
+    target_dir, tokenizer, folders, answers = released_drafters
+    pair = pair_of(target_dir, folders[layout])
+    copy_steps = 0
+    for text in LAYOUT_PROMPTS:
+        # An answer longer than the trained one: it falls into a loop, which copies continue.
+        prompt, n = tokenizer.encode(text), 96
+        reference = [int(t) for t, _ in generate_step(mx.array(prompt), pair.target.model, max_tokens=n)]
+        steps = list(speculative_decode(mx.array(prompt), pair.target, pair.drafter, Greedy(OPS), block_size=8,
+                                        max_tokens=n))
+        assert [t for s in steps for t in s.tokens] == reference
+        copy_steps += sum(s.copies > 0 for s in steps)
+    assert copy_steps > 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
