@@ -196,10 +196,13 @@ class Driver:
             r.collective_seconds += self.target.collective_seconds(tokens.shape[1])
         return logits, hidden
 
-    def prefill(self, prompt: mx.array, cache: _Cache, step_size: int = 2048) -> tuple[mx.array, mx.array]:
+    def prefill(
+        self, prompt: mx.array, cache: _Cache, step_size: int = 2048, keep_rows: int | None = None
+    ) -> tuple[mx.array, mx.array]:
+        # keep_rows only bounds the hidden rows rank 0 keeps for its drafter: the others need not know.
         self._order("prefill", cache, tokens=prompt.tolist(), step=step_size)
         with _collectives():
-            logits, hidden = self.target.prefill(prompt, cache, step_size)
+            logits, hidden = self.target.prefill(prompt, cache, step_size, keep_rows)
             mx.eval(logits, hidden)
         return logits, hidden
 

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
 from stats import ALPHA, chi_square_p_value
 from tiny import LAYOUT_PROMPTS, LAYOUTS
 
@@ -38,10 +39,29 @@ def greedy_run(pair, tokenizer, block_size=8, max_tokens=40):
     tokens, accepted = {}, 0
     for text in LAYOUT_PROMPTS:
         steps = list(speculative_decode(mx.array(tokenizer.encode(text)), pair.target, pair.drafter,
-                                        Greedy(OPS), block_size=block_size, max_tokens=max_tokens))
+                                        Greedy(OPS), block_size=block_size, max_tokens=max_tokens,
+                                        copy_proposals=False))  # the drafter's acceptance alone
         tokens[text] = [t for s in steps for t in s.tokens]
         accepted += sum(s.accepted for s in steps)
     return tokens, accepted
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_copy_proposals_stay_lossless(released_drafters, layout):
+    """Copies merged with every layout's proposals (DFlash2: weighed by its selector's probability)
+    leave the greedy output mlx_lm's."""
+    target_dir, tokenizer, folders, answers = released_drafters
+    pair = pair_of(target_dir, folders[layout])
+    copy_steps = 0
+    for text in LAYOUT_PROMPTS:
+        # An answer longer than the trained one: it falls into a loop, which copies continue.
+        prompt, n = tokenizer.encode(text), 96
+        reference = [int(t) for t, _ in generate_step(mx.array(prompt), pair.target.model, max_tokens=n)]
+        steps = list(speculative_decode(mx.array(prompt), pair.target, pair.drafter, Greedy(OPS), block_size=8,
+                                        max_tokens=n))
+        assert [t for s in steps for t in s.tokens] == reference
+        copy_steps += sum(s.copies > 0 for s in steps)
+    assert copy_steps > 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -186,7 +206,7 @@ def test_dflash2_serves_and_benchmarks(released_drafters, tmp_path, capsys):
     import json
     import threading
 
-    from dflash_mlx.server import make_server
+    from dflash_mlx.server import add_arguments, close, make_server
 
     target_dir, tokenizer, folders, _ = released_drafters
     out = tmp_path / "bench.json"
@@ -196,10 +216,10 @@ def test_dflash2_serves_and_benchmarks(released_drafters, tmp_path, capsys):
           "--num-prompts", "2", "--max-tokens", "16", "--block-size", "4", "--output", str(out)])
     (row,) = json.loads(out.read_text())["results"]
     assert row["match"] is True and row["tau"] > 1
-    args = argparse.Namespace(model=str(target_dir), draft=str(folders["dflash2"]), host="127.0.0.1", port=0,
-                              max_tokens=64, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_prompt_tokens=400,
-                              block_size="auto", draft_window=None)
-    server = make_server(args)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server = make_server(parser.parse_args(["--model", str(target_dir), "--draft", str(folders["dflash2"]), "--port", "0",
+                                            "--max-tokens", "64", "--max-prompt-tokens", "400", "--block-size", "auto"]))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -214,6 +234,4 @@ def test_dflash2_serves_and_benchmarks(released_drafters, tmp_path, capsys):
         assert body["choices"][0]["text"] == expected
     finally:
         server.shutdown()
-        server.server_close()
-        server.app.worker.stop()
-        server.app.worker.join(timeout=60)
+        close(server)  # joins the worker

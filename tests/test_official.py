@@ -62,8 +62,9 @@ def official_steps(target_dir, draft_dir, prompt, block_size):
 
 
 def our_steps(pair, prompt, block_size):
+    # The drafter's proposals alone, as the official drafts: copies would change the steps.
     steps = speculative_decode(mx.array(prompt), pair.target, pair.drafter, Greedy(OPS), block_size=block_size,
-                               max_tokens=MAX_TOKENS)
+                               max_tokens=MAX_TOKENS, copy_proposals=False)
     return [s.tokens for s in steps]
 
 
