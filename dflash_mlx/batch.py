@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -37,15 +37,15 @@ from mlx_lm.generate import StopSequences
 
 from . import kernels
 from .adaptive import AdaptiveBlockSize
-from .batch_cache import PromptCache
 from .batch_adaptive import BatchBlockSize, make_batch_policy
+from .batch_cache import PromptCache
 from .decode import LogitsProcessor, apply_processors
 from .drafter import Drafter
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
 from .ragged import RaggedKVCache
 from .sampling import Sampler, SamplingParams, Strategy, make_strategy
-from .stats import SpeculativeStats
+from .stats import EngineStats, SpeculativeStats
 
 
 @dataclass
@@ -63,34 +63,6 @@ class TokenEvent:
     finish_reason: str | None = None
     logprob: float | None = None  # with add(logprobs=True): log p of the token (after processors)
     stats: SpeculativeStats | None = None
-
-
-@dataclass
-class EngineStats:
-    """What the engine did, for a server's /metrics and the benchmark."""
-
-    batched: bool  # False: requests are served one at a time, see ``reason``
-    reason: str | None = None
-    prompt_tokens: int = 0
-    prompt_time: float = 0.0
-    generation_tokens: int = 0
-    decode_time: float = 0.0
-    steps: int = 0
-    rows: Counter = field(default_factory=Counter)  # rows per step -> steps
-    block_sizes: Counter = field(default_factory=Counter)  # block size -> steps
-    ragged_steps: int = 0  # steps whose rows accepted different numbers of proposals
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_time if self.prompt_time else 0.0
-
-    @property
-    def generation_tps(self) -> float:
-        return self.generation_tokens / self.decode_time if self.decode_time else 0.0
-
-    @property
-    def mean_rows(self) -> float:
-        return sum(r * n for r, n in self.rows.items()) / self.steps if self.steps else 0.0
 
 
 @dataclass(eq=False)

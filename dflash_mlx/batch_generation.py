@@ -8,12 +8,13 @@ from typing import Iterable, Sequence
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .batch import BatchEngine, EngineStats
+from .batch import BatchEngine
 from .decode import LogitsProcessor
 from .errors import DFlashError
-from .generation import _encode
+from .generation import encode_prompt
 from .model import DFlashModel
 from .sampling import Sampler
+from .stats import EngineStats
 
 
 @dataclass
@@ -81,7 +82,7 @@ def batch_generate(
     stops = [*tokenizer.eos_token_ids, *stop_tokens]
     uids = [
         engine.add(
-            _encode(tokenizer, prompt).tolist(),
+            encode_prompt(tokenizer, prompt).tolist(),
             max_tokens=limit,
             temp=temp,
             top_p=top_p,

@@ -323,7 +323,8 @@ class Drafter(nn.Module):
         new context K/V stay in ``cache``; the block's do not.
         """
         limit = self.context_rows
-        if limit is not None and context_hidden.shape[1] > limit:
+        # The batch engine's ragged caches keep every row; their masks apply the windows.
+        if limit is not None and context_hidden.shape[1] > limit and not isinstance(cache[0], RaggedKVCache):
             for c in cache:
                 c.skip(context_hidden.shape[1] - limit)
             context_hidden = context_hidden[:, context_hidden.shape[1] - limit :]

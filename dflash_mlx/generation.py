@@ -38,7 +38,8 @@ class GenerationResponse:
     finish_reason: str | None = None
 
 
-def _encode(tokenizer: TokenizerWrapper, prompt: str | list[int] | mx.array) -> mx.array:
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | list[int] | mx.array) -> mx.array:
+    """Token ids of a prompt given as text (BOS added unless it is already there) or as ids."""
     if isinstance(prompt, str):
         bos = tokenizer.bos_token
         prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
@@ -100,7 +101,7 @@ def stream_generate(
         raise DFlashError(f"block size {block_size} is out of range: use 1..{MAX_BLOCK_SIZE}")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    prompt = _encode(tokenizer, prompt)
+    prompt = encode_prompt(tokenizer, prompt)
     params = SamplingParams(temp, top_p, top_k, min_p)
     ops = kernels.get_ops(use_metal)
     strategy = make_strategy(params, sampler, ops)

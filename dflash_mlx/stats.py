@@ -1,4 +1,4 @@
-"""What a generation reports about its speculation: acceptance, block sizes, kernels."""
+"""What a generation reports about its speculation: acceptance, block sizes, kernels, batching."""
 
 from __future__ import annotations
 
@@ -113,3 +113,31 @@ def format_stats(response) -> str:
             f"Peak memory: {response.peak_memory:.3f} GB",
         ]
     )
+
+
+@dataclass
+class EngineStats:
+    """What the engine did, for a server's /metrics and the benchmark."""
+
+    batched: bool  # False: requests are served one at a time, see ``reason``
+    reason: str | None = None
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0
+    generation_tokens: int = 0
+    decode_time: float = 0.0
+    steps: int = 0
+    rows: Counter = field(default_factory=Counter)  # rows per step -> steps
+    block_sizes: Counter = field(default_factory=Counter)  # block size -> steps
+    ragged_steps: int = 0  # steps whose rows accepted different numbers of proposals
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_time if self.prompt_time else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / self.decode_time if self.decode_time else 0.0
+
+    @property
+    def mean_rows(self) -> float:
+        return sum(r * n for r, n in self.rows.items()) / self.steps if self.steps else 0.0

@@ -235,3 +235,16 @@ def test_dflash2_serves_and_benchmarks(released_drafters, tmp_path, capsys):
     finally:
         server.shutdown()
         close(server)  # joins the worker
+
+
+def test_dflash2_batch_generate_runs_one_row_at_a_time(released_drafters):
+    """The batch engine drafts DFlash2 with each request's own selector picks, a row at a time, and says so."""
+    from dflash_mlx import batch_generate
+
+    target_dir, tokenizer, folders, answers = released_drafters
+    pair = pair_of(target_dir, folders["dflash2"])
+    response = batch_generate(pair, tokenizer, LAYOUT_PROMPTS, max_tokens=24, block_size=4, return_token_ids=True)
+    for text, ids in zip(LAYOUT_PROMPTS, response.token_ids):
+        assert ids == answers[text][: len(ids)] and len(ids) == 24
+    assert not response.stats.batched and "DFlash2DraftModel drafters pick proposals row by row" in response.stats.reason
+    assert max(response.stats.rows) == 1
