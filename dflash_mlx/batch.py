@@ -39,12 +39,13 @@ from . import kernels
 from .adaptive import AdaptiveBlockSize
 from .batch_adaptive import BatchBlockSize, make_batch_policy
 from .batch_cache import PromptCache
+from .batch_copies import RowCopies
 from .decode import LogitsProcessor, apply_processors
 from .drafter import Drafter
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
 from .ragged import RaggedKVCache
-from .sampling import Sampler, SamplingParams, Strategy, make_strategy
+from .sampling import KeyedPicks, Sampler, SamplingParams, Strategy, make_strategy
 from .stats import EngineStats, SpeculativeStats
 
 
@@ -78,6 +79,7 @@ class _Request:
     stats: SpeculativeStats
     tracker: AdaptiveBlockSize | None
     block_cap: int | None  # the request's own largest block
+    copies: RowCopies | None
     cache: list  # one-row caches until the request joins the batch
     draft_cache: list
     prefilled: int = 0  # prompt tokens in the caches (from the prompt cache, then prefilled)
@@ -115,6 +117,7 @@ class BatchEngine:
         prefill_step_size: int = 512,
         use_metal: bool | None = None,
         prompt_cache_size: int = 4,
+        copy_proposals: bool = True,
     ):
         if completion_batch_size < 1 or prefill_step_size < 1:
             raise DFlashError(
@@ -149,6 +152,7 @@ class BatchEngine:
         self.cache: list | None = None
         self.draft_cache: list | None = None
         self._uids = itertools.count()
+        self.copy_proposals = copy_proposals
         # Recurrent target layers cannot be trimmed back to a shared prefix.
         self.prompt_cache = PromptCache(0 if self.target.cache_policy.mixers else prompt_cache_size)
 
@@ -206,8 +210,9 @@ class BatchEngine:
             key=None if seed is None else mx.random.key(seed),
             logprobs=logprobs,
             stats=SpeculativeStats(self.block_size, self.ops.path, self.fallbacks, adaptive=self.policy is not None,
-                                   copy_proposals=False),
+                                   copy_proposals=self.copy_proposals),
             block_cap=block_size,
+            copies=RowCopies(prompt, self.block_size) if self.copy_proposals else None,
             tracker=self.policy.track() if self.policy else None,
             cache=self.target.make_batch_cache(),
             draft_cache=[RaggedKVCache() for _ in self.drafter.layers],
@@ -311,8 +316,16 @@ class BatchEngine:
         B = self.policy.next_block_size([r.tracker for r in rows]) if self.policy else self.block_size
         B = min([B] + [r.block_cap for r in rows if r.block_cap])
         anchors = mx.array([[r.anchor] for r in rows], mx.int32)
+        drafted, from_copy = None, [None] * R
         if B > 1:
-            proposals, qs = self._draft(anchors, B)
+            drafted, qs, confidence = self._draft(anchors, B)
+            proposals = []
+            for i, r in enumerate(rows):
+                p = drafted[i]
+                if r.copies:
+                    p, qs[i], from_copy[i] = r.copies.propose(p, confidence[i], qs[i], r.strategy.deterministic)
+                proposals.append(p)
+            proposals = mx.stack(proposals)
         else:
             proposals, qs = mx.zeros((R, 0), mx.int32), [mx.zeros((0, self.target.vocab_size))] * R
         block = mx.concatenate([anchors, proposals], axis=1)
@@ -325,8 +338,9 @@ class BatchEngine:
             tokens, n = r.strategy.verify(row_logits, proposals[i], qs[i], r.subkey())
             results.append((tokens, n, _logprobs(row_logits, tokens) if r.logprobs else None))
         tokens, accepted, logprobs = zip(*results)
-        mx.eval(tokens, accepted, [lp for lp in logprobs if lp is not None])
+        mx.eval(tokens, accepted, [x for x in (*logprobs, drafted, *from_copy) if x is not None])
         accepted = mx.stack(accepted).tolist()
+        drafted = drafted.tolist() if drafted is not None else None
         self.target.rollback_rows(self.cache, [B - 1 - n for n in accepted])
         self.stats.steps += 1
         self.stats.rows[R] += 1
@@ -334,25 +348,31 @@ class BatchEngine:
         self.stats.ragged_steps += len(set(accepted)) > 1
         keep = []
         for i, (r, n) in enumerate(zip(rows, accepted)):
-            committed = tokens[i][: n + 1]
+            committed = tokens[i].tolist()[: n + 1]
             # Without a draft this step, the drafter has not consumed the pending context yet.
             r.context = [hidden[i, : n + 1]] if B > 1 else r.context + [hidden[i, : n + 1]]
             if r.processors:
                 r.history = mx.concatenate([r.history, block[i, : n + 1]])
             r.stats.acceptance_lengths.append(n + 1)
             r.stats.block_sizes.append(B)
-            r.stats.drafted += n
+            copied = sum(from_copy[i].tolist()[:n]) if from_copy[i] is not None else 0
+            r.stats.copied += copied
+            r.stats.drafted += n - copied
+            r.stats.copy_steps += from_copy[i] is not None
+            if r.copies and drafted is not None:
+                r.copies.record(drafted[i], committed)
             if r.tracker:
                 r.tracker.observe(B, n)
             lp = None if logprobs[i] is None else logprobs[i][: n + 1]
-            if self._emit(r, committed.tolist(), n, lp, events):
+            if self._emit(r, committed, n, lp, events):
                 keep.append(i)
             else:
                 self.prompt_cache.save(r.tokens, self.cache, self.draft_cache, i)
         self._keep(keep)
 
-    def _draft(self, anchors: mx.array, B: int) -> tuple[mx.array, list[mx.array | None]]:
-        """Every row's B-1 proposals from one drafter forward, and the draft distributions."""
+    def _draft(self, anchors: mx.array, B: int) -> tuple[mx.array, list[mx.array | None], mx.array]:
+        """Every row's B-1 proposals from one drafter forward, the draft distributions, and the
+        drafter's probability of each proposal (lazy: read only to weigh a copy against it)."""
         rows = self.rows
         masks = mx.full((len(rows), B - 1), self.mask_id, mx.int32)
         embeddings = self.target.embed(mx.concatenate([anchors, masks], axis=1))
@@ -367,15 +387,16 @@ class BatchEngine:
         for c in self.draft_cache:
             c.prepare([width - n for n in counts])
         if self.picks_in_order:  # one row (see __init__)
-            tokens, q, _ = self.drafter.propose(embeddings, anchors[:, 0], context, self.draft_cache, self.head,
-                                                _KeyedPicks(rows[0]))
+            tokens, q, confidence = self.drafter.propose(embeddings, anchors[:, 0], context, self.draft_cache,
+                                                         self.head, KeyedPicks(rows[0].strategy, rows[0].subkey))
             drafts = [(tokens[0], None if q is None else q[0])]
         else:
             draft_logits = self.drafter(embeddings, context, self.draft_cache, self.head, self.ops)
             drafts = [r.strategy.propose(draft_logits[i], r.subkey()) for i, r in enumerate(rows)]
+            confidence = mx.exp(draft_logits.max(axis=-1) - mx.logsumexp(draft_logits, axis=-1))
         for r in rows:
             r.context = []
-        return mx.stack([p for p, _ in drafts]), [q for _, q in drafts]
+        return mx.stack([p for p, _ in drafts]), [q for _, q in drafts], confidence
 
     def _emit(self, request: _Request, tokens: list[int], accepted: int, logprobs, events: list[TokenEvent]) -> bool:
         """Turn committed tokens into events; False once the request is finished."""
@@ -383,6 +404,8 @@ class BatchEngine:
         for j, (token, lp) in enumerate(zip(tokens, lps)):
             request.produced += 1
             request.tokens.append(token)
+            if request.copies:
+                request.copies.index.extend([token])
             reason = "stop" if request.matcher.advance(token) else None
             if reason is None and request.produced == request.max_tokens:
                 reason = "length"
@@ -392,17 +415,6 @@ class BatchEngine:
                 return False
         request.anchor = tokens[-1]
         return True
-
-
-class _KeyedPicks:
-    """A request's strategy as ``Drafter.propose`` calls it, each pick from the request's own
-    random stream."""
-
-    def __init__(self, request: _Request):
-        self.request, self.ops = request, request.strategy.ops
-
-    def propose(self, scores: mx.array) -> tuple[mx.array, mx.array | None]:
-        return self.request.strategy.propose(scores, self.request.subkey())
 
 
 def _logprobs(logits: mx.array, tokens: mx.array) -> mx.array:

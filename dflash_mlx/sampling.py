@@ -121,6 +121,17 @@ class Match:
 Strategy = Greedy | Rejection | Match
 
 
+class KeyedPicks:
+    """A strategy as ``Drafter.propose`` calls it, each pick drawn with a fresh key from ``next_key``
+    (the batch engine's per-request random stream)."""
+
+    def __init__(self, strategy: Strategy, next_key: Callable[[], mx.array | None]):
+        self.strategy, self.next_key, self.ops = strategy, next_key, strategy.ops
+
+    def propose(self, scores: mx.array) -> tuple[mx.array, mx.array | None]:
+        return self.strategy.propose(scores, self.next_key())
+
+
 def make_strategy(params: SamplingParams, sampler: Sampler | None, ops: KernelOps) -> Strategy:
     if sampler is not None:
         return Match(sampler, ops)

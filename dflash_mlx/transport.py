@@ -27,10 +27,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
 from .errors import one_line
+from .jobs import End, Job
 from .protocol import RequestError, ServerInfo, decode_json, error_body
 from .request import Request, parse_request
 from .responses import Reply
-from .jobs import End, Job
 from .worker import Metrics, Unavailable, Worker
 
 MAX_BODY_BYTES = 16 * 2**20

@@ -381,3 +381,61 @@ def test_next_turn_reuses_the_prompt_cache(name):
     again = add(engine, oracle, other + [7, 3], reference(model, other + [7, 3], 5), 0, 5)
     assert engine.cached_tokens(again) == (0 if name == "qwen3_5" else len(other) + 1)
     assert [e.token for e in collect(engine)[again]] == reference(model, other + [7, 3], 5)
+
+
+def looping_pair(tiny_pair, tmp_path):
+    """The tiny qwen3 target at half weight scale: its greedy answers fall into loops, so copies of
+    earlier text get accepted as well as rejected (as in test_copying)."""
+    import shutil
+
+    target, draft = tiny_pair("qwen3")
+    looping = tmp_path / "looping"
+    shutil.copytree(target, looping)
+    weights = mx.load(str(looping / "model.safetensors"))
+    mx.save_safetensors(str(looping / "model.safetensors"),
+                        {k: v * 0.5 if v.ndim == 2 and "embed" not in k else v for k, v in weights.items()})
+    return dflash_mlx.load(str(looping), str(draft))
+
+
+def test_rows_merge_their_own_copies_and_stay_exact(tiny_pair, tmp_path):
+    model, tokenizer = looping_pair(tiny_pair, tmp_path)
+    prompts = [tokenizer.encode(t) for t in ("abcabcabcabc", "one two one two one two", "x = [1, 2, 3, 1, 2, 3")]
+    refs = [reference(model.target.model, p, 40) for p in prompts]
+    outputs = {}
+    for copies in (True, False):
+        engine = BatchEngine(model, block_size=8, copy_proposals=copies)
+        uids = [engine.add(p, max_tokens=40, stop_tokens=[EOS_ID]) for p in prompts]
+        events = collect(engine)
+        outputs[copies] = [[e.token for e in events[u]] for u in uids]
+        stats = [events[u][-1].stats for u in uids]
+        assert all(s.copy_proposals == copies for s in stats)
+        copied = sum(s.copied for s in stats)
+        assert copied > 0 if copies else copied == 0
+        assert all(s.copied + s.drafted == sum(s.acceptance_lengths) - len(s.acceptance_lengths) for s in stats)
+    assert outputs[True] == outputs[False] == refs
+
+
+def test_sampled_rows_with_copies_are_exact(tiny_pair, tmp_path):
+    """Third sampled token of rows whose proposals are copies (point masses, q = None): its exact
+    marginal. The rows' copy rates are set high so that every step with a match copies."""
+    model, tokenizer = looping_pair(tiny_pair, tmp_path)
+    net = model.target.model
+    settings = [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9)]
+    # Whatever the first sampled token x, the prompt holds (its last token, x) earlier: a copy exists.
+    V = model.target.vocab_size
+    prompts = [[v for x in range(V) for v in (40, x, (7 * x + k) % V)] + [40] for k in (3, 5)]
+    expected = [third_token_marginal(net, p, s) for p, s in zip(prompts, settings)]
+    engine = BatchEngine(model, block_size=3, completion_batch_size=8)
+    runs, uids = 250, [[], []]
+    for i in range(runs):
+        for k, (prompt, params) in enumerate(zip(prompts, settings)):
+            uids[k].append(engine.add(prompt, max_tokens=3, temp=params.temp, top_p=params.top_p,
+                                      seed=10_000 + 2 * i + k))
+            for rates in engine.pending[-1].copies.acceptance.copies:
+                rates.rates = [1.0] * len(rates.rates)
+    events = collect(engine)
+    for k in range(2):
+        counts = np.bincount([events[u][2].token for u in uids[k]], minlength=expected[k].size)
+        assert chi_square_p_value(counts, expected[k]) > ALPHA, k
+    stats = [events[u][-1].stats for u in uids[0] + uids[1]]
+    assert all(s.copy_steps >= 1 for s in stats) and sum(s.copied for s in stats) > 0  # every first step copied
