@@ -55,6 +55,7 @@ def batch_generate(
     completion_batch_size: int = 8,
     prefill_step_size: int = 512,
     use_metal: bool | None = None,
+    copy_proposals: bool = True,
 ) -> BatchResponse:
     """Generate a response for every prompt, decoding them together with DFlash.
 
@@ -78,6 +79,7 @@ def batch_generate(
         completion_batch_size=completion_batch_size,
         prefill_step_size=prefill_step_size,
         use_metal=use_metal,
+        copy_proposals=copy_proposals,
     )
     stops = [*tokenizer.eos_token_ids, *stop_tokens]
     uids = [

@@ -258,8 +258,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", nargs="+", default=list(DATASETS), help=f"{', '.join(DATASETS)} or PATH.jsonl")
     p.add_argument("--num-prompts", type=int, default=10, help="Prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=256, help="Tokens to generate per prompt")
-    p.add_argument("--block-size", type=block_size_arg, default=None,
-                   help="Draft block size (default: the drafter's); 'auto' adapts it per step (see `generate`)")
+    p.add_argument("--block-size", type=block_size_arg, default="auto",
+                   help="Draft block size; 'auto' (the default) adapts it per step (see `generate`)")
     p.add_argument("--no-copy-proposals", dest="copy_proposals", action="store_false",
                    help="Propose drafted tokens only (see `generate`)")
     p.add_argument("--temp", type=finite_float, default=0.0, help="Sampling temperature (0: greedy, checks match)")

@@ -167,7 +167,8 @@ class Worker(threading.Thread):
             from .scheduler import BatchScheduler
 
             def engine() -> BatchEngine:
-                made = BatchEngine(self.model, block_size=self.args.block_size, completion_batch_size=concurrency)
+                made = BatchEngine(self.model, block_size=self.args.block_size, completion_batch_size=concurrency,
+                                   copy_proposals=getattr(self.args, "copy_proposals", True))
                 self.metrics.engine = made.stats
                 return made
 

@@ -125,7 +125,7 @@ def test_concurrent_clients_get_their_single_request_outputs(server, reference):
     assert m["batched"] == 1 and m["requests_active"] == 0 and m["requests_cancelled_total"] >= len(HANG_UP)
     assert m["batch_rows_mean"] > 1.5, m  # requests really were decoded together
     assert m["batch_ragged_steps_total"] > 0, m  # some step's rows accepted different counts
-    assert m["drafted_tokens_total"] > 0 and m["copied_tokens_total"] == 0
+    assert m["drafted_tokens_total"] > 0
     # After all that, the next request is served as if alone.
     assert completion(port, PROMPTS[0], MAX_TOKENS[0]) == reference[PROMPTS[0]][0]
 
