@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DFlashError
-from .flags import add_pair_arguments, add_sharding_arguments, block_size_arg, finite_float, resolve_pair, seed_arg
+from .flags import (add_pair_arguments, add_sharding_arguments, block_size_arg, default_block_size, finite_float,
+                    resolve_pair, seed_arg)
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 DEFAULT_GSM8K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -258,8 +259,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", nargs="+", default=list(DATASETS), help=f"{', '.join(DATASETS)} or PATH.jsonl")
     p.add_argument("--num-prompts", type=int, default=10, help="Prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=256, help="Tokens to generate per prompt")
-    p.add_argument("--block-size", type=block_size_arg, default="auto",
-                   help="Draft block size; 'auto' (the default) adapts it per step (see `generate`)")
+    p.add_argument("--block-size", type=block_size_arg, default=None,
+                   help="Draft block size; 'auto' adapts it per step (default: as in `generate`)")
     p.add_argument("--no-copy-proposals", dest="copy_proposals", action="store_false",
                    help="Propose drafted tokens only (see `generate`)")
     p.add_argument("--temp", type=finite_float, default=0.0, help="Sampling temperature (0: greedy, checks match)")
@@ -279,6 +280,8 @@ def run(args: argparse.Namespace) -> None:
 
     if args.num_prompts < 1 or args.max_tokens < 2:
         raise DFlashError("--num-prompts must be >= 1 and --max-tokens >= 2")
+    # The seed is reset before every generation, so sampled runs must be reproducible: see the flag.
+    args.block_size = default_block_size(args.block_size, args.temp, args.seed)
     resolve_pair(args)
     prompts = {d: load_dataset(d, args.num_prompts, args.gsm8k_path, args.mt_bench_path) for d in args.dataset}
     model, tokenizer = load(args.model, args.draft, pipeline=args.pipeline)

@@ -9,7 +9,7 @@ import sys
 
 from .errors import DFlashError
 from .flags import (add_block_arguments, add_pair_arguments, add_sampling_arguments, add_sharding_arguments,
-                    positive_int, resolve_pair, seed_arg)
+                    default_block_size, positive_int, resolve_pair, seed_arg)
 
 # subcommand -> (module exposing add_arguments(parser) and run(args), help)
 SUBCOMMANDS = {
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
-        block_size=args.block_size,
+        block_size=default_block_size(args.block_size, args.temp, args.seed),
         stop_tokens=stop_tokens,
         draft_window=args.draft_window,
         copy_proposals=args.copy_proposals,
