@@ -416,26 +416,24 @@ def test_rows_merge_their_own_copies_and_stay_exact(tiny_pair, tmp_path):
 
 
 def test_sampled_rows_with_copies_are_exact(tiny_pair, tmp_path):
-    """Third sampled token of rows whose proposals are copies (point masses, q = None): its exact
-    marginal. The rows' copy rates are set high so that every step with a match copies."""
+    """Third sampled token of rows whose proposals are copies (point masses, q = None), decoded
+    eight at a time: its exact marginal. The rows' copy rates are set high, so every step with a
+    match copies; the prompt holds (its last token, x) for every x, so the first step always has one."""
     model, tokenizer = looping_pair(tiny_pair, tmp_path)
     net = model.target.model
-    settings = [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9)]
-    # Whatever the first sampled token x, the prompt holds (its last token, x) earlier: a copy exists.
+    params = SamplingParams(temp=1.0, top_p=0.95)
     V = model.target.vocab_size
-    prompts = [[v for x in range(V) for v in (40, x, (7 * x + k) % V)] + [40] for k in (3, 5)]
-    expected = [third_token_marginal(net, p, s) for p, s in zip(prompts, settings)]
+    prompt = [v for x in range(V) for v in (40, x, (7 * x + 3) % V)] + [40]
+    expected = third_token_marginal(net, prompt, params)
     engine = BatchEngine(model, block_size=3, completion_batch_size=8)
-    runs, uids = 250, [[], []]
+    runs, uids = 300, []
     for i in range(runs):
-        for k, (prompt, params) in enumerate(zip(prompts, settings)):
-            uids[k].append(engine.add(prompt, max_tokens=3, temp=params.temp, top_p=params.top_p,
-                                      seed=10_000 + 2 * i + k))
-            for rates in engine.pending[-1].copies.acceptance.copies:
-                rates.rates = [1.0] * len(rates.rates)
+        uids.append(engine.add(prompt, max_tokens=3, temp=params.temp, top_p=params.top_p, seed=10_000 + i))
+        for rates in engine.pending[-1].copies.acceptance.copies:
+            rates.rates = [1.0] * len(rates.rates)
     events = collect(engine)
-    for k in range(2):
-        counts = np.bincount([events[u][2].token for u in uids[k]], minlength=expected[k].size)
-        assert chi_square_p_value(counts, expected[k]) > ALPHA, k
-    stats = [events[u][-1].stats for u in uids[0] + uids[1]]
+    counts = np.bincount([events[u][2].token for u in uids], minlength=expected.size)
+    assert chi_square_p_value(counts, expected) > ALPHA
+    stats = [events[u][-1].stats for u in uids]
     assert all(s.copy_steps >= 1 for s in stats) and sum(s.copied for s in stats) > 0  # every first step copied
+    assert engine.stats.ragged_steps > 0
