@@ -100,7 +100,8 @@ def main() -> None:
         t_loop = best(lambda: dflash(B), args.repeats)
         t_plain = min(t_plain, best(plain, 1) / args.tokens)  # interleaved baseline
         t_step = t_loop / steps
-        t_v, t_d = best(lambda: verify(B), args.repeats * 5), best(lambda: draft(B), args.repeats * 5)
+        t_v = best(lambda: verify(B), args.repeats * 5)
+        t_d = best(lambda: draft(B), args.repeats * 5) if B > 1 else 0.0  # a plain step drafts nothing
         rows.append((f"DFlash B={B}", B, t_step, t_v, t_d, t_step - t_v - t_d, args.tokens / steps))
     print(f"context ~{context} tokens; {args.tokens} tokens per generation; best of {args.repeats}")
     print(f"{'loop':<14}{'ms/step':>9}{'verify ms':>11}{'draft ms':>10}{'overhead ms':>13}{'tau':>6}{'vs mlx_lm':>11}")
