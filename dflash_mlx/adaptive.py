@@ -234,6 +234,11 @@ class Acceptance:
     def copy_rates(self, copy: Copy) -> RunRates:
         return self.copies[sum(copy.match >= m for m in COPY_MATCH_CLASSES) - 1]
 
+    def copy_goes_further(self, copy: Copy, proposals: int) -> bool:
+        """Whether ``copy`` is expected (optimistically) to get at least as many of ``proposals``
+        accepted as the drafter: then a block holds the copy alone."""
+        return self.copy_rates(copy).expected(proposals, True) >= self.drafter.expected(proposals, True)
+
     def record(self, drafted: list[int] | None, copy: Copy | None, committed: list[int]) -> None:
         """What each source proposed this step against what was committed: the source not followed
         is scored too (``copying.common_run``), so both keep learning from every step."""
@@ -255,7 +260,7 @@ class FixedBlockSize:
         B, a = self.max_block_size, self.acceptance
         if B == 1:
             return PLAIN
-        if copy is not None and a.copy_rates(copy).expected(B - 1, True) >= a.drafter.expected(B - 1, True):
+        if copy is not None and a.copy_goes_further(copy, B - 1):
             return Plan(B, draft=False, copy=True)
         return Plan(B, draft=True, copy=copy is not None and merge)
 

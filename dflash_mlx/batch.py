@@ -40,7 +40,8 @@ from .adaptive import AdaptiveBlockSize
 from .batch_adaptive import BatchBlockSize, make_batch_policy
 from .batch_cache import PromptCache
 from .batch_copies import RowCopies
-from .decode import LogitsProcessor, apply_processors
+from .decode import LogitsProcessor, Step, apply_processors
+from .dflash import top_probability
 from .drafter import Drafter
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
@@ -96,6 +97,15 @@ class _Request:
         return sub
 
 
+def batch_refusal(model: DFlashModel, completion_batch_size: int) -> str | None:
+    """Why the engine would decode ``model``'s requests one at a time, or None if it batches them."""
+    if completion_batch_size == 1:
+        return "completion_batch_size is 1"
+    if model.drafter.architecture != Drafter.architecture:
+        return f"{model.drafter.architecture} drafters pick proposals row by row"
+    return model.target.cache_policy.batch_refusal
+
+
 class BatchEngine:
     """Continuous batching of DFlash requests over one model pair.
 
@@ -133,13 +143,9 @@ class BatchEngine:
             block_size if isinstance(block_size, BatchBlockSize) else None)
         self.block_size = self.policy.max_block_size if self.policy else block_size or model.block_size
         self.prefill_step_size = prefill_step_size
-        reason = self.target.cache_policy.batch_refusal
         # DFlash2 picks each proposal given the one before with the row's own sampler.
         self.picks_in_order = self.drafter.architecture != Drafter.architecture
-        if self.picks_in_order:
-            reason = f"{self.drafter.architecture} drafters pick proposals row by row"
-        if completion_batch_size == 1:
-            reason = "completion_batch_size is 1"
+        reason = batch_refusal(model, completion_batch_size)
         self.max_rows = 1 if reason else completion_batch_size
         self.stats = EngineStats(batched=reason is None, reason=reason)
         self.fallbacks = set(self.ops.fallbacks)
@@ -353,12 +359,8 @@ class BatchEngine:
             r.context = [hidden[i, : n + 1]] if B > 1 else r.context + [hidden[i, : n + 1]]
             if r.processors:
                 r.history = mx.concatenate([r.history, block[i, : n + 1]])
-            r.stats.acceptance_lengths.append(n + 1)
-            r.stats.block_sizes.append(B)
-            copied = sum(from_copy[i].tolist()[:n]) if from_copy[i] is not None else 0
-            r.stats.copied += copied
-            r.stats.drafted += n - copied
-            r.stats.copy_steps += from_copy[i] is not None
+            copied = from_copy[i].tolist() if from_copy[i] is not None else []
+            r.stats.record(Step(committed, n, block_size=B, copied=sum(copied[:n]), copies=sum(copied)))
             if r.copies and drafted is not None:
                 r.copies.record(drafted[i], committed)
             if r.tracker:
@@ -393,7 +395,7 @@ class BatchEngine:
         else:
             draft_logits = self.drafter(embeddings, context, self.draft_cache, self.head, self.ops)
             drafts = [r.strategy.propose(draft_logits[i], r.subkey()) for i, r in enumerate(rows)]
-            confidence = mx.exp(draft_logits.max(axis=-1) - mx.logsumexp(draft_logits, axis=-1))
+            confidence = top_probability(draft_logits)
         for r in rows:
             r.context = []
         return mx.stack([p for p, _ in drafts]), [q for _, q in drafts], confidence

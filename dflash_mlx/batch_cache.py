@@ -52,8 +52,9 @@ class PromptCache:
     def fetch(self, prompt: list[int]) -> tuple[int, list[RaggedKVCache], list[RaggedKVCache]] | None:
         """(n, caches holding the first n prompt tokens) from the entry sharing the longest prefix;
         at least one prompt token is left to prefill (its logits start the generation)."""
-        best = max(self.entries, key=lambda e: _common_prefix(e.tokens, prompt), default=None)
-        n = min(_common_prefix(best.tokens, prompt), len(prompt) - 1) if best else 0
+        shared, best = max(((_common_prefix(e.tokens, prompt), e) for e in self.entries), key=lambda x: x[0],
+                           default=(0, None))
+        n = min(shared, len(prompt) - 1)
         if n < 1:
             return None
         return n, [c.take(0, n) for c in best.cache], [c.take(0, n) for c in best.draft_cache]

@@ -32,10 +32,10 @@ class RowCopies:
         self.copy = copy = self.index.suggest(n)
         if copy is None:
             return drafted, q, None
-        rates = self.acceptance.copy_rates(copy)
-        if rates.expected(n, True) >= self.acceptance.drafter.expected(n, True):
+        if self.acceptance.copy_goes_further(copy, n):
             return mx.array(copy.tokens, mx.int32), None, mx.ones((n,), mx.bool_)
         if deterministic:
+            rates = self.acceptance.copy_rates(copy)
             proposals, from_copy = merge(drafted, confidence, mx.array(copy.tokens, mx.int32),
                                          mx.array([rates.rate(i) for i in range(n)]))
             return proposals, q, from_copy

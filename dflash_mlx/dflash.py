@@ -381,5 +381,10 @@ class Drafter(nn.Module):
         """
         logits = self(block_embeddings, context_hidden, cache, lm_head, strategy.ops)
         tokens, q = strategy.propose(logits)
-        # Lazy: computed only when a copy proposal is weighed against this one.
-        return tokens, q, mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
+        return tokens, q, top_probability(logits)
+
+
+def top_probability(logits: mx.array) -> mx.array:
+    """The softmax probability of each row's top score: a drafter's confidence in its own pick.
+    Lazy: computed only where a copy proposal is weighed against the pick."""
+    return mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))

@@ -163,19 +163,19 @@ class Worker(threading.Thread):
         elif concurrency > 1 and self.args.draft_window:
             self.metrics.batching = "--draft-window bounds the drafter of one-at-a-time decoding only"
         elif concurrency > 1:
-            from .batch import BatchEngine
-            from .scheduler import BatchScheduler
+            from .batch import BatchEngine, batch_refusal
 
-            def engine() -> BatchEngine:
-                made = BatchEngine(self.model, block_size=self.args.block_size, completion_batch_size=concurrency,
-                                   copy_proposals=getattr(self.args, "copy_proposals", True))
-                self.metrics.engine = made.stats
-                return made
-
-            batch = BatchScheduler(engine, self.tokenizer, self._record)
-            self.metrics.batching = batch.engine.stats.reason
+            self.metrics.batching = batch_refusal(self.model, concurrency)
             if self.metrics.batching is None:
-                self.batch = batch
+                from .scheduler import BatchScheduler
+
+                def engine() -> BatchEngine:
+                    made = BatchEngine(self.model, block_size=self.args.block_size, completion_batch_size=concurrency,
+                                       copy_proposals=getattr(self.args, "copy_proposals", True))
+                    self.metrics.engine = made.stats
+                    return made
+
+                self.batch = BatchScheduler(engine, self.tokenizer, self._record)
         else:
             self.metrics.batching = "--decode-concurrency is 1"
         if self.args.block_size == "auto" and not self.batch:

@@ -40,6 +40,12 @@ def tiny_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def pair(tiny_pair):
+    """The tiny qwen3 pair's (target, drafter) folders as strings, as the server tests pass them."""
+    return tuple(map(str, tiny_pair("qwen3")))
+
+
+@pytest.fixture(scope="session")
 def released_drafters(tiny_pair, tmp_path_factory):
     """(target folder, tokenizer, {layout: folder}, {prompt: mlx_lm's greedy answer}): a drafter
     for the tiny qwen3 target in every released layout (tiny.layout_config), all with the weights

@@ -14,13 +14,8 @@ import dflash_mlx
 from dflash_mlx import stream_generate
 from dflash_mlx.responses import StopMatcher
 from dflash_mlx.server import add_arguments, close, make_server
+from tiny import NO_EOS
 
-NO_EOS = {"2": -100.0}  # keeps the tiny model talking: long, predictable outputs
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_pair):
-    return tuple(map(str, tiny_pair("qwen3")))
 
 
 @pytest.fixture(scope="module")

@@ -14,19 +14,13 @@ from mlx_lm.sample_utils import make_logits_processors
 import dflash_mlx
 from dflash_mlx import stream_generate
 from dflash_mlx.server import add_arguments, close, make_server
-from tiny import RowOracleDrafter
+from tiny import NO_EOS, RowOracleDrafter
 
-NO_EOS = {"2": -100.0}  # keeps the tiny model talking: long, predictable outputs
 PROMPTS = [f"Request {i}: " + "story " * (3 * i + 1) for i in range(8)]
 MAX_TOKENS = [40, 12, 64, 25, 48, 9, 56, 33]
 WRONG_EVERY = [0, 3, 5, 2, 0, 4, 7, 3]  # the oracle drafter's rejections: rows accept different counts
 START_AFTER = [0.0, 0.0, 0.0, 0.05, 0.1, 0.2, 0.3, 0.4]  # seconds: some clients join a running batch
 HANG_UP = {2, 6}  # these clients read a few chunks of their stream, then close the connection
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_pair):
-    return tuple(map(str, tiny_pair("qwen3")))
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from dflash_mlx.drafter import Drafter, drafter_classes
 SPECIALS = ["<pad>", "<s>", "</s>", "<mask>"]
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
 VOCAB = len(SPECIALS) + len(CHARS)
+NO_EOS = {"2": -100.0}  # a request's logit_bias that keeps a tiny model talking: long, predictable outputs
 EOS_ID, MASK_ID = 2, 3
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
