@@ -38,6 +38,8 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32)
 COPY_BLOCK_SIZE = 16
 # Copy runs are told apart by how much context they matched: (shortest match, ...) of each class.
 COPY_MATCH_CLASSES = (2, 4, 8)
+# Longest run of plain steps between two probes of a drafter that keeps missing.
+MAX_PROBE_EVERY = 128
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ def calibrate(
     # Verify sizes up to COPY_BLOCK_SIZE: copy-only steps may verify more rows than the drafter
     # drafts (the batch engine has none).
     largest = max(max_block_size, COPY_BLOCK_SIZE) if rows == 1 else max_block_size
-    sizes = sorted({b for b in CALIBRATION_SIZES if b < largest} | {1, max_block_size})
+    sizes = sorted({b for b in CALIBRATION_SIZES if b < largest} | {1, max_block_size, largest})
     # Deterministic tokens: calibration must not consume the caller's random stream.
     tokens = mx.arange(context + max(sizes), dtype=mx.int32) % target.vocab_size
     if rows == 1:
@@ -220,6 +222,8 @@ class BlockPolicy(Protocol):
 
     def plan(self, copy: Copy | None, merge: bool) -> Plan: ...
 
+    def expects_plain(self) -> bool: ...
+
     def record(self, plan: Plan, drafted: list[int] | None, copy: Copy | None, committed: list[int], seconds: float) -> None: ...
 
 
@@ -264,6 +268,9 @@ class FixedBlockSize:
             return Plan(B, draft=False, copy=True)
         return Plan(B, draft=True, copy=copy is not None and merge)
 
+    def expects_plain(self) -> bool:
+        return self.max_block_size == 1
+
     def record(self, plan: Plan, drafted, copy, committed, seconds) -> None:
         self.acceptance.record(drafted, copy, committed)
 
@@ -272,8 +279,11 @@ class AdaptiveBlockSize:
     """A ``BlockPolicy`` maximising expected tokens per second.
 
     prior / decay / optimism: of the drafter's ``RunRates``. probe_every: after this many plain
-    steps, run one speculative step to refresh the acceptance estimates. copy_block_size: the
-    largest copy-only block (default: ``COPY_BLOCK_SIZE`` or the drafted maximum if larger).
+    steps, run one speculative step to refresh the acceptance estimates; each probe after which
+    plain decoding still wins doubles the wait, up to ``MAX_PROBE_EVERY`` (text the drafter
+    cannot predict should not keep paying for probes), and a step that drafts on its merits
+    resets it. copy_block_size: the largest copy-only block (default: ``COPY_BLOCK_SIZE`` or the
+    drafted maximum if larger).
 
     timed: let observed step times rescale the calibrated cost of each block
     size used (``drift``), so choices follow what this generation really costs,
@@ -305,6 +315,7 @@ class AdaptiveBlockSize:
         self.acceptance = Acceptance(max(max_block_size - 1, 1), max(longest, 1), prior, decay, optimism)
         self.decay, self.probe_every = decay, probe_every
         self.plain_steps = probe_every - 1  # due for a probe: the prior alone must not rule speculation out
+        self.probe_wait, self.probed = probe_every, False
         self.timed = timed
         self.drift: dict[int, float] = {}  # block size -> observed / calibrated seconds
 
@@ -325,7 +336,8 @@ class AdaptiveBlockSize:
         """The drafted block size to use next: highest optimistic expected tokens per second."""
         return max(range(smallest, self.max_block_size + 1), key=lambda b: self.tokens_per_second(b, True))
 
-    def plan(self, copy: Copy | None, merge: bool) -> Plan:
+    def _options(self, copy: Copy | None, merge: bool) -> list[tuple[float, Plan]]:
+        """Every plan with its optimistic expected tokens per second; plain decoding first."""
         drafter = self.acceptance.drafter
         copies = self.acceptance.copy_rates(copy) if copy is not None else None
         options = [(1.0 / self.step_seconds(1), PLAIN)]
@@ -338,15 +350,30 @@ class AdaptiveBlockSize:
             for B in range(2, self.copy_block_size + 1):
                 gain = copies.expected(B - 1, True)
                 options.append(((1 + gain) / self.step_seconds(B, draft=False), Plan(B, False, True)))
+        return options
+
+    def plan(self, copy: Copy | None, merge: bool) -> Plan:
+        options = self._options(copy, merge)
         plan = max(options, key=lambda option: option[0])[1]
+        probed, self.probed = self.probed, False
         if not plan.plain or self.max_block_size == 1:
             self.plain_steps = 0
+            if plan.draft:
+                self.probe_wait = self.probe_every
             return plan
+        if probed:
+            self.probe_wait = min(2 * self.probe_wait, MAX_PROBE_EVERY)
         self.plain_steps += 1
-        if self.plain_steps < self.probe_every:
+        if self.plain_steps < self.probe_wait:
             return PLAIN
-        self.plain_steps = 0
+        self.plain_steps, self.probed = 0, True
         return max(options[1:], key=lambda option: option[0])[1]
+
+    def expects_plain(self) -> bool:
+        """Whether the next step decodes plainly unless a copy turns up."""
+        if self.plain_steps + 1 >= self.probe_wait:
+            return False
+        return max(self._options(None, False), key=lambda option: option[0])[1].plain
 
     def next_block_size(self) -> int:
         """The next drafted block size when there is nothing to copy."""

@@ -127,6 +127,7 @@ def speculative_decode(
     copies = CopyIndex(prompt.tolist() + [last]) if copy_proposals else None
     yield Step([last], 0)
     produced = 1
+    ahead = None  # the anchor's forward, started before the host read the anchor
 
     while produced < max_tokens:
         tic = time.perf_counter()
@@ -157,17 +158,31 @@ def speculative_decode(
             mx.async_eval(proposals)
         drafted_at = time.perf_counter()
         block = mx.concatenate([anchor, proposals])
-        logits, hidden = target(block[None], cache)
+        if ahead is None:
+            logits, hidden = target(block[None], cache)
+        elif B == 1:
+            logits, hidden = ahead
+        else:  # the anchor's row already ran: verify the proposals after it
+            logits, hidden = target(proposals[None], cache)
+            logits, hidden = (mx.concatenate([a, b], axis=1) for a, b in zip(ahead, (logits, hidden)))
         logits = logits[0]
         if processors:
             logits = apply_processors(processors, history, block, logits)
         tokens, n = strategy.verify(logits, proposals, q)
+        ran_ahead, ahead = ahead is not None, None
+        if B == 1 and produced + 1 < max_tokens and policy.expects_plain():
+            # mlx_lm's pipelining: the next anchor's forward (the whole of a plain step) runs
+            # while the host reads this step's token and the caller handles it.
+            ahead = target(tokens[None, :1], cache)
+            mx.async_eval(ahead)
         mx.eval(tokens, n, *(x for x in (drafted, from_copy) if x is not None))
         n = n.item()
         target.rollback(cache, B - 1 - n)
         committed = tokens.tolist()[: n + 1]  # read once: slicing on the device would cost a second sync
-        state.tokens += [last] + committed[:n]
+        state.tokens += ([] if ran_ahead else [last]) + committed[:n]
         last = committed[-1]
+        if ahead is not None:
+            state.tokens.append(last)  # the cache holds it already
         # Without a draft this step, the drafter has not consumed the pending context yet.
         new_context = hidden[:, : n + 1]
         context = new_context if drafted is not None else mx.concatenate([context, new_context], axis=1)

@@ -18,7 +18,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlx_lm.utils import _get_classes
 from stats import ALPHA, chi_square_p_value
-from tiny import EOS_ID, VOCAB, OracleDrafter, drafter_config, save_drafter, save_tokenizer
+from tiny import EOS_ID, VOCAB, OracleDrafter, ScriptedPolicy, drafter_config, save_drafter, save_tokenizer
 
 import dflash_mlx
 from dflash_mlx import stream_generate
@@ -191,6 +191,17 @@ def test_greedy_matches_mlx_lm(family, block_size, drafter_kind):
         assert partial, "no block was rejected part-way: the rollback was not exercised"
         if drafter_kind == "oracle":
             assert max(accepted) >= min(block_size - 1, 5)
+
+
+def test_plain_steps_run_ahead_exactly(family):
+    # Plain runs whose next anchor's forward starts before the host reads it, then drafted blocks
+    # verified after an anchor that already ran: rollback reaches only into the proposals' forward.
+    name, model, target, drafter, ref = family
+    drafter = OracleDrafter(drafter, PROMPT + ref, wrong_every=4)
+    steps = list(speculative_decode(mx.array(PROMPT), target, drafter, greedy(), max_tokens=MAX_TOKENS,
+                                    block_size=ScriptedPolicy([1, 1, 4, 1, 6, 2]), prefill_step_size=8))
+    assert [t for s in steps for t in s.tokens] == ref, name
+    assert any(0 < s.accepted < s.block_size - 1 for s in steps)  # a block rejected part-way
 
 
 def live(cache) -> list[mx.array]:

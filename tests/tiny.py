@@ -10,6 +10,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from dflash_mlx.adaptive import PLAIN, Acceptance, Plan
 from dflash_mlx.drafter import Drafter, drafter_classes
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<mask>"]
@@ -134,6 +135,27 @@ def save_drafter(path: Path, config: dict, seed: int = 1, dtype=mx.float32) -> P
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+class ScriptedPolicy:
+    """A block policy that plays ``sizes`` over and over (1: a plain step, else a drafted block) and
+    always says a plain step comes next: the decode loop then runs each plain step's successor
+    ahead, so a drafted block after it verifies its proposals after an anchor that already ran."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes, self.step = sizes, 0
+        self.max_block_size = self.copy_block_size = max(sizes)
+        self.acceptance = Acceptance(self.max_block_size, self.max_block_size, 0.5, 0.8, 0.0)
+
+    def plan(self, copy, merge) -> Plan:
+        B, self.step = self.sizes[self.step % len(self.sizes)], self.step + 1
+        return PLAIN if B == 1 else Plan(B, True, False)
+
+    def expects_plain(self) -> bool:
+        return True
+
+    def record(self, plan, drafted, copy, committed, seconds) -> None:
+        pass
 
 
 class OracleDrafter(Drafter):
