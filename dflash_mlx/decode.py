@@ -114,10 +114,13 @@ def speculative_decode(
 
     start = state.reuse(prompt.tolist(), target)
     cache, draft_cache = state.cache, state.draft_cache
-    logits, context = target.prefill(prompt[start:], cache, prefill_step_size, drafter.context_rows)
-    if (unseen := prompt.size - start - context.shape[1]) > 0:
+    logits, prompt_hidden = target.prefill(prompt[start:], cache, prefill_step_size, drafter.context_rows)
+    if (unseen := prompt.size - start - prompt_hidden.shape[1]) > 0:
         for c in draft_cache:  # rows beyond every sliding window: positions only
             c.skip(unseen)
+    # Target hidden rows the drafter has not taken in yet, joined only when it drafts: steps
+    # without a draft (plain, copy-only) add theirs, and joining every step would copy them all.
+    context = [prompt_hidden]
     state.tokens.extend(prompt[start:].tolist())
     history = prompt
     if processors:
@@ -140,8 +143,8 @@ def speculative_decode(
         drafted = from_copy = None
         if B > 1 and plan.draft:
             block = mx.concatenate([anchor, mx.repeat(mask, B - 1)])
-            drafted, q, confidence = drafter.propose(target.embed(block)[None], anchor, context, draft_cache, head,
-                                                     strategy)
+            drafted, q, confidence = drafter.propose(target.embed(block)[None], anchor,
+                                                     mx.concatenate(context, axis=1), draft_cache, head, strategy)
             drafted, q, proposals = drafted[0], None if q is None else q[0], drafted[0]
             if plan.copy:
                 rates = policy.acceptance.copy_rates(copy)
@@ -183,9 +186,9 @@ def speculative_decode(
         last = committed[-1]
         if ahead is not None:
             state.tokens.append(last)  # the cache holds it already
-        # Without a draft this step, the drafter has not consumed the pending context yet.
-        new_context = hidden[:, : n + 1]
-        context = new_context if drafted is not None else mx.concatenate([context, new_context], axis=1)
+        if drafted is not None:  # the drafter took in the rows before these
+            context = []
+        context.append(hidden[:, : n + 1])
         if processors:
             history = mx.concatenate([history, block[: n + 1]])
         anchor = tokens[n : n + 1]
