@@ -10,6 +10,10 @@ most ``prefill_step_size`` tokens per step (the drafter absorbs each chunk's
 hidden states as it goes), and its one-row caches are appended to the batch
 when it is done, so running rows wait for at most one chunk per step.
 
+When a plain step (block 1) is expected next and nobody waits to join, a plain step starts the
+next one's forward before the host reads its tokens, as mlx_lm's batch generator does; a request
+that arrives then starts its prefill one step later.
+
 A server worker drives it as a scheduler loop::
 
     engine = BatchEngine(model, completion_batch_size=8)
@@ -157,6 +161,7 @@ class BatchEngine:
         self.pending: deque[_Request] = deque()
         self.cache: list | None = None
         self.draft_cache: list | None = None
+        self.ahead: tuple[mx.array, mx.array] | None = None  # logits and hidden of the anchors' forward
         self._uids = itertools.count()
         self.copy_proposals = copy_proposals
         # Recurrent target layers cannot be trimmed back to a shared prefix.
@@ -262,7 +267,7 @@ class BatchEngine:
 
     def _prefill(self, events: list[TokenEvent]) -> None:
         budget = self.prefill_step_size
-        while self.pending and budget > 0 and len(self.rows) < self.max_rows:
+        while self.pending and budget > 0 and len(self.rows) < self.max_rows and self.ahead is None:
             tic = time.perf_counter()
             request = self.pending[0]
             chunk = request.prompt[request.prefilled : request.prefilled + budget]
@@ -307,8 +312,10 @@ class BatchEngine:
             return
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self.cache = self.draft_cache = None
+            self.cache = self.draft_cache = self.ahead = None
             return
+        if self.ahead is not None:
+            self.ahead = tuple(x[mx.array(keep)] for x in self.ahead)
         for c in self.cache + self.draft_cache:
             c.filter(keep)
 
@@ -335,7 +342,14 @@ class BatchEngine:
         else:
             proposals, qs = mx.zeros((R, 0), mx.int32), [mx.zeros((0, self.target.vocab_size))] * R
         block = mx.concatenate([anchors, proposals], axis=1)
-        logits, hidden = self.target(block, self.cache)
+        if self.ahead is None:
+            logits, hidden = self.target(block, self.cache)
+        elif B == 1:
+            logits, hidden = self.ahead
+        else:  # the anchors' rows already ran: verify the proposals after them
+            rest = self.target(proposals, self.cache)
+            logits, hidden = (mx.concatenate(pair, axis=1) for pair in zip(self.ahead, rest))
+        self.ahead = None
         results = []
         for i, r in enumerate(rows):
             row_logits = logits[i]
@@ -344,10 +358,14 @@ class BatchEngine:
             tokens, n = r.strategy.verify(row_logits, proposals[i], qs[i], r.subkey())
             results.append((tokens, n, _logprobs(row_logits, tokens) if r.logprobs else None))
         tokens, accepted, logprobs = zip(*results)
+        if B == 1 and not (self.pending and len(rows) < self.max_rows) and self._expects_plain():
+            self.ahead = self.target(mx.stack([t[:1] for t in tokens]), self.cache)
+            mx.async_eval(self.ahead)
         mx.eval(tokens, accepted, [x for x in (*logprobs, drafted, *from_copy) if x is not None])
         accepted = mx.stack(accepted).tolist()
         drafted = drafted.tolist() if drafted is not None else None
-        self.target.rollback_rows(self.cache, [B - 1 - n for n in accepted])
+        if B > 1:  # a plain step rejects nothing (and may have run ahead since)
+            self.target.rollback_rows(self.cache, [B - 1 - n for n in accepted])
         self.stats.steps += 1
         self.stats.rows[R] += 1
         self.stats.block_sizes[B] += 1
@@ -371,6 +389,11 @@ class BatchEngine:
             else:
                 self.prompt_cache.save(r.tokens, self.cache, self.draft_cache, i)
         self._keep(keep)
+
+    def _expects_plain(self) -> bool:
+        if any(r.block_cap == 1 for r in self.rows):
+            return True
+        return self.policy.expects_plain([r.tracker for r in self.rows]) if self.policy else self.block_size == 1
 
     def _draft(self, anchors: mx.array, B: int) -> tuple[mx.array, list[mx.array | None], mx.array]:
         """Every row's B-1 proposals from one drafter forward, the draft distributions, and the

@@ -80,11 +80,17 @@ class BatchBlockSize:
         expected = sum(t.expected_tokens(block_size, True) for t in trackers)
         return expected / self.row_curve.step_seconds(len(trackers), block_size)
 
-    def next_block_size(self, trackers: list[AdaptiveBlockSize]) -> int:
-        def best(smallest: int) -> int:
-            return max(range(smallest, self.max_block_size + 1), key=lambda b: self.tokens_per_second(trackers, b))
+    def best(self, trackers: list[AdaptiveBlockSize], smallest: int = 1) -> int:
+        return max(range(smallest, self.max_block_size + 1), key=lambda b: self.tokens_per_second(trackers, b))
 
-        B = best(1)
+    def expects_plain(self, trackers: list[AdaptiveBlockSize]) -> bool:
+        """Whether the next step decodes plainly (the engine then starts it early)."""
+        if self.max_block_size == 1:
+            return True
+        return self.plain_steps + 1 < self.probe_every and self.best(trackers) == 1
+
+    def next_block_size(self, trackers: list[AdaptiveBlockSize]) -> int:
+        B = self.best(trackers)
         if B > 1 or self.max_block_size == 1:
             self.plain_steps = 0
             return B
@@ -92,7 +98,7 @@ class BatchBlockSize:
         if self.plain_steps < self.probe_every:
             return 1
         self.plain_steps = 0
-        return best(2)
+        return self.best(trackers, 2)
 
 
 def make_batch_policy(

@@ -235,6 +235,60 @@ def test_hybrid_and_sliding_window_targets_are_batched(name):
     assert engine.stats.batched and engine.stats.ragged_steps > 0
 
 
+class ScriptedBatchPolicy(BatchBlockSize):
+    """Plays ``sizes`` over and over and always says a plain step comes next: the engine then runs
+    each plain step's successor ahead, also before drafted blocks and while rows join and leave."""
+
+    def __init__(self, sizes: list[int]):
+        super().__init__(RowCostCurve({1: CostCurve({1: 1.0}, {1: 0.0})}), max(sizes))
+        self.sizes, self.steps = sizes, 0
+
+    def next_block_size(self, trackers) -> int:
+        self.steps += 1
+        return self.sizes[(self.steps - 1) % len(self.sizes)]
+
+    def expects_plain(self, trackers) -> bool:
+        return True
+
+
+def run_ahead_case(pair, prompts, refs, max_tokens):
+    """Rows join one by one and mid-run, one is cancelled, the rest finish at different steps."""
+    engine, oracle = oracle_engine(pair, block_size=ScriptedBatchPolicy([1, 1, 4, 1, 3]), prefill_step_size=64)
+    uids = [add(engine, oracle, p, r, w, n) for p, r, w, n in zip(prompts[:3], refs, (3, 0, 4), max_tokens)]
+    events = {}
+
+    def step():
+        for e in engine.step():
+            events.setdefault(e.uid, []).append(e)
+
+    for _ in range(12):
+        step()
+        if len(engine.rows) == 3 and engine.ahead is not None:
+            break
+    assert engine.ahead is not None  # the next step's forward has started: late requests arrive now
+    uids += [add(engine, oracle, p, r, 2, n) for p, r, n in zip(prompts[3:], refs[3:], max_tokens[3:])]
+    step()
+    assert engine.cancel(uids[0])
+    collect(engine, events)
+    for uid, ref in list(zip(uids, refs))[1:]:
+        assert [e.token for e in events[uid]] == ref
+    assert engine.stats.block_sizes[1] > 0 and engine.stats.ragged_steps > 0
+
+
+def test_plain_steps_run_ahead_while_rows_join_and_leave(family):
+    model, _, prompts, refs = family
+    run_ahead_case(model, prompts, refs, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma3_text"])
+def test_hybrid_plain_steps_run_ahead(name):
+    model = build(name)
+    prompts = [[5, 17, 9, 33, 2, 41, 8, 8, 60, 12, 27, 3], [40, 7], [11, 58, 31, 22, 44, 19, 6], [9, 9, 1]]
+    lengths = [20, 18, 24, 12]
+    refs = [reference(model, p, n) for p, n in zip(prompts, lengths)]
+    run_ahead_case(DFlashModel(Target(model, [0, 2]), make_drafter(model)), prompts, refs, lengths)
+
+
 def test_target_the_engine_cannot_batch_is_served_one_at_a_time():
     """A Gated DeltaNet layer without per-row lengths: one row at a time, and the stats say why."""
     model = build("qwen3_5")
