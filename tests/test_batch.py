@@ -51,12 +51,17 @@ def reference(model, prompt, max_tokens, **kwargs):
     return out
 
 
+def step(engine, events: dict) -> None:
+    """One engine step; its events appended to each uid's list."""
+    for e in engine.step():
+        events.setdefault(e.uid, []).append(e)
+
+
 def collect(engine, events=None):
     """Step until idle; tokens per uid (stop tokens included) and each uid's final event."""
     events = events if events is not None else {}
     while not engine.idle:
-        for e in engine.step():
-            events.setdefault(e.uid, []).append(e)
+        step(engine, events)
     return events
 
 
@@ -107,15 +112,10 @@ def test_rows_join_mid_run_and_cancelled_rows_leave(family):
     engine, oracle = oracle_engine(model, block_size=4)
     first = [add(engine, oracle, prompts[i], refs[i], WRONG_EVERY[i], MAX_TOKENS[i]) for i in (0, 2, 4)]
     events = {}
-
-    def step():
-        for e in engine.step():
-            events.setdefault(e.uid, []).append(e)
-
     for _ in range(3):
-        step()
+        step(engine, events)
     late = [add(engine, oracle, prompts[i], refs[i], WRONG_EVERY[i], MAX_TOKENS[i]) for i in (1, 3)]
-    step()
+    step(engine, events)
     cancelled = first[0]
     assert engine.cancel(cancelled) and cancelled not in engine.uids
     assert not engine.cancel(cancelled)
@@ -256,18 +256,13 @@ def run_ahead_case(pair, prompts, refs, max_tokens):
     engine, oracle = oracle_engine(pair, block_size=ScriptedBatchPolicy([1, 1, 4, 1, 3]), prefill_step_size=64)
     uids = [add(engine, oracle, p, r, w, n) for p, r, w, n in zip(prompts[:3], refs, (3, 0, 4), max_tokens)]
     events = {}
-
-    def step():
-        for e in engine.step():
-            events.setdefault(e.uid, []).append(e)
-
     for _ in range(12):
-        step()
+        step(engine, events)
         if len(engine.rows) == 3 and engine.ahead is not None:
             break
     assert engine.ahead is not None  # the next step's forward has started: late requests arrive now
     uids += [add(engine, oracle, p, r, 2, n) for p, r, n in zip(prompts[3:], refs[3:], max_tokens[3:])]
-    step()
+    step(engine, events)
     assert engine.cancel(uids[0])
     collect(engine, events)
     for uid, ref in list(zip(uids, refs))[1:]:
