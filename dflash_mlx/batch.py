@@ -5,10 +5,11 @@ forward verifies all the blocks; each row then commits its own accepted prefix
 plus its own next token (no clamping to the batch's shortest), and the caches
 drop each row's own rejected tail (``RaggedKVCache``, ``Target.rollback_rows``).
 
-Requests join and leave between steps. A joining prompt is prefilled alone, at
-most ``prefill_step_size`` tokens per step (the drafter absorbs each chunk's
-hidden states as it goes), and its one-row caches are appended to the batch
-when it is done, so running rows wait for at most one chunk per step.
+Requests join and leave between steps. Joining prompts are prefilled together
+(``batch_prefill``), at most ``prefill_step_size`` tokens per step (the drafter
+absorbs each chunk's hidden states as it goes), and each one's one-row caches are
+appended to the batch when it is done, so running rows wait for at most one
+chunk per step.
 
 When a plain step (block 1) is expected next and nobody waits to join, a plain step starts the
 next one's forward before the host reads its tokens, as mlx_lm's batch generator does; a request
@@ -43,6 +44,7 @@ from . import kernels
 from .adaptive import AdaptiveBlockSize
 from .batch_adaptive import BatchBlockSize, make_batch_policy
 from .batch_cache import PromptCache
+from .batch_prefill import prefill_chunks
 from .batch_copies import RowCopies
 from .decode import LogitsProcessor, Step, apply_processors
 from .dflash import top_probability
@@ -50,7 +52,7 @@ from .drafter import Drafter
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
 from .ragged import RaggedKVCache
-from .sampling import KeyedPicks, Sampler, SamplingParams, Strategy, make_strategy
+from .sampling import KeyedPicks, Sampler, SamplingParams, Strategy, make_strategy, token_logprobs
 from .stats import EngineStats, SpeculativeStats
 
 
@@ -269,21 +271,25 @@ class BatchEngine:
         budget = self.prefill_step_size
         while self.pending and budget > 0 and len(self.rows) < self.max_rows and self.ahead is None:
             tic = time.perf_counter()
-            request = self.pending[0]
-            chunk = request.prompt[request.prefilled : request.prefilled + budget]
-            request.prefilled += len(chunk)
-            budget -= len(chunk)
-            logits, hidden = self.target.prefill(mx.array(chunk), request.cache, self.prefill_step_size)
-            # The drafter takes the chunk as context now, under a throw-away one-token block.
-            block = self.target.embed(mx.array([[self.mask_id]]))
-            self.drafter(block, hidden, request.draft_cache, self.head, self.ops)
-            done = request.prefilled == len(request.prompt)
-            token, logprob = self._first_token(request, logits) if done else (None, None)
-            mx.eval(token, logprob, [c.state for c in request.cache], [c.state for c in request.draft_cache])
-            self.stats.prompt_tokens += len(chunk)
-            if done:
-                self.pending.popleft()
-                self._start(request, token, logprob, events)
+            chunks = []  # the requests that fit in the free rows share one forward
+            for request in itertools.islice(self.pending, self.max_rows - len(self.rows)):
+                chunk = request.prompt[request.prefilled : request.prefilled + budget]
+                request.prefilled, budget = request.prefilled + len(chunk), budget - len(chunk)
+                chunks.append((request, chunk))
+                if not budget:
+                    break
+            outputs = prefill_chunks(self.target, [(r.cache, chunk) for r, chunk in chunks], self.prefill_step_size)
+            for (request, chunk), (logits, hidden) in zip(chunks, outputs):
+                # The drafter takes the chunk as context now, under a throw-away one-token block.
+                self.drafter(self.target.embed(mx.array([[self.mask_id]])), hidden, request.draft_cache, self.head,
+                             self.ops)
+                done = request.prefilled == len(request.prompt)
+                token, logprob = self._first_token(request, logits) if done else (None, None)
+                mx.eval(token, logprob, [c.state for c in request.cache], [c.state for c in request.draft_cache])
+                self.stats.prompt_tokens += len(chunk)
+                if done:
+                    self.pending.remove(request)
+                    self._start(request, token, logprob, events)
             self.stats.prompt_time += time.perf_counter() - tic
 
     def _first_token(self, request: _Request, logits: mx.array) -> tuple[mx.array, mx.array | None]:
@@ -292,7 +298,7 @@ class BatchEngine:
             logits = apply_processors(request.processors, prompt[:-1], prompt[-1:], logits)
             request.history = prompt
         token = request.strategy.first(logits, request.subkey())
-        return token, _logprobs(logits, token) if request.logprobs else None
+        return token, token_logprobs(logits, token) if request.logprobs else None
 
     def _start(self, request: _Request, token: mx.array, logprob: mx.array | None, events: list[TokenEvent]) -> None:
         if not self._emit(request, token.tolist(), 0, logprob, events):
@@ -356,7 +362,7 @@ class BatchEngine:
             if r.processors:
                 row_logits = apply_processors(r.processors, r.history, block[i], row_logits)
             tokens, n = r.strategy.verify(row_logits, proposals[i], qs[i], r.subkey())
-            results.append((tokens, n, _logprobs(row_logits, tokens) if r.logprobs else None))
+            results.append((tokens, n, token_logprobs(row_logits, tokens) if r.logprobs else None))
         tokens, accepted, logprobs = zip(*results)
         if B == 1 and not (self.pending and len(rows) < self.max_rows) and self._expects_plain():
             self.ahead = self.target(mx.stack([t[:1] for t in tokens]), self.cache)
@@ -441,9 +447,3 @@ class BatchEngine:
         request.anchor = tokens[-1]
         return True
 
-
-def _logprobs(logits: mx.array, tokens: mx.array) -> mx.array:
-    """log p of each row's token under that row's (processed) distribution."""
-    logits = logits.reshape(-1, logits.shape[-1])
-    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return mx.take_along_axis(lp, tokens.reshape(-1, 1), axis=-1)[:, 0]

@@ -24,6 +24,7 @@ from dflash_mlx import DFlashModel, batch_generate, stream_generate
 from dflash_mlx.adaptive import CostCurve
 from dflash_mlx.batch import BatchEngine
 from dflash_mlx.batch_adaptive import BatchBlockSize, RowCostCurve, calibrate_rows
+from dflash_mlx.batch_prefill import prefill_chunks
 from dflash_mlx.drafter import Drafter
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.kernels import get_ops
@@ -233,6 +234,32 @@ def test_hybrid_and_sliding_window_targets_are_batched(name):
     for uid, ref in zip(uids, refs):
         assert [e.token for e in events[uid]] == ref
     assert engine.stats.batched and engine.stats.ragged_steps > 0
+
+
+def test_joining_prompts_are_prefilled_together(family):
+    """Chunks of different lengths, one after a cached prefix, in one forward: each row's logits,
+    hidden states and caches as if it had been prefilled alone."""
+    model, _, prompts, _ = family
+    target = model.target
+    cases = [([], prompts[0]), (prompts[1][:6], prompts[1][6:]), ([], prompts[2][:10])]
+
+    def caches(prefix):
+        cache = target.make_batch_cache()
+        if prefix:
+            target.prefill(mx.array(prefix), cache)
+        return cache
+
+    alone = [(c := caches(prefix), *prefill_chunks(target, [(c, chunk)], 64)[0]) for prefix, chunk in cases]
+    rows = [(caches(prefix), chunk) for prefix, chunk in cases]
+    together = [(c, *out) for (c, _), out in zip(rows, prefill_chunks(target, rows, 64))]
+    probe = mx.array([[5]])
+    for (c1, logits1, hidden1), (c2, logits2, hidden2) in zip(alone, together):
+        assert logits1.shape == logits2.shape and hidden1.shape == hidden2.shape
+        # Batched matmuls round differently: close, not equal (hidden states reach |30|).
+        assert mx.allclose(logits1, logits2, rtol=1e-4, atol=1e-3).item()
+        assert mx.allclose(hidden1, hidden2, rtol=1e-4, atol=1e-3).item()
+        assert [c.lengths for c in c1] == [c.lengths for c in c2]
+        assert mx.allclose(target(probe, c1)[0], target(probe, c2)[0], rtol=1e-4, atol=1e-3).item()  # caches go on alike
 
 
 class ScriptedBatchPolicy(BatchBlockSize):
