@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+# Each example starts its own processes: about 20 s together, so outside the default run.
+pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # The `dflash-mlx` command installed beside this interpreter, as a shell would find it.
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
