@@ -29,6 +29,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 PROMPT = [40, 73, 80, 77, 87, 5, 69, 82, 85, 5, 80, 73, 69, 86, 5, 71, 83, 82]  # longer than the prefill chunk
 MAX_TOKENS = 32
@@ -315,6 +317,7 @@ def _ended_within(process: subprocess.Popen, seconds: float) -> tuple[int, str]:
     return elapsed, ours[0]
 
 
+@pytest.mark.slow  # a fault test that waits on timeouts, outside the default run
 def test_killed_rank_stops_the_other(tiny_pair, tmp_path):
     target, draft = tiny_pair("qwen3")
     ranks = _start_ranks(tmp_path, _forever(target, draft))
@@ -330,6 +333,7 @@ def test_killed_rank_stops_the_other(tiny_pair, tmp_path):
             r.wait()
 
 
+@pytest.mark.slow  # a fault test that waits on timeouts, outside the default run
 def test_stalled_rank_stops_the_other(tiny_pair, tmp_path):
     """A suspended rank keeps its sockets open: the heartbeat catches it, then rank 1 sees rank 0 go."""
     target, draft = tiny_pair("qwen3")

@@ -15,6 +15,8 @@ import pytest
 
 from dflash_mlx.cli import main
 
+# Real server processes and signals, ~15 s together: outside the default run.
+pytestmark = pytest.mark.slow
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
