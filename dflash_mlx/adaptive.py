@@ -275,6 +275,11 @@ class FixedBlockSize:
         self.acceptance.record(drafted, copy, committed)
 
 
+def _fastest(options: list[tuple[float, Plan]]) -> Plan:
+    """The plan with the most expected tokens per second."""
+    return max(options, key=lambda option: option[0])[1]
+
+
 class AdaptiveBlockSize:
     """A ``BlockPolicy`` maximising expected tokens per second.
 
@@ -354,7 +359,7 @@ class AdaptiveBlockSize:
 
     def plan(self, copy: Copy | None, merge: bool) -> Plan:
         options = self._options(copy, merge)
-        plan = max(options, key=lambda option: option[0])[1]
+        plan = _fastest(options)
         probed, self.probed = self.probed, False
         if not plan.plain or self.max_block_size == 1:
             self.plain_steps = 0
@@ -367,13 +372,13 @@ class AdaptiveBlockSize:
         if self.plain_steps < self.probe_wait:
             return PLAIN
         self.plain_steps, self.probed = 0, True
-        return max(options[1:], key=lambda option: option[0])[1]
+        return _fastest(options[1:])
 
     def expects_plain(self) -> bool:
         """Whether the next step decodes plainly unless a copy turns up."""
         if self.plain_steps + 1 >= self.probe_wait:
             return False
-        return max(self._options(None, False), key=lambda option: option[0])[1].plain
+        return _fastest(self._options(None, False)).plain
 
     def next_block_size(self) -> int:
         """The next drafted block size when there is nothing to copy."""
