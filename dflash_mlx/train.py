@@ -35,9 +35,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .drafter import Attention, Drafter, DrafterArgs, default_target_layer_ids, save_drafter
+from .data import cached_hidden, draft_vocabulary, generate_responses, load_prompts, make_batch, sequences
+from .drafter import Attention, Drafter, DrafterArgs, default_target_layer_ids, load_drafter, save_drafter
 from .errors import DFlashError
-from .model import load_target
+from .model import check_pair, load_target
 from .target import Target
 
 # Loss decay per block size from the paper; other sizes interpolate (B / 2.2).
@@ -245,23 +246,61 @@ def evaluate_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[str]
     return {"tau": sum(lengths) / max(len(lengths), 1), "steps": len(lengths), "histogram": hist}
 
 
+NEW_DRAFTER = ("target", "random")
+ARCHITECTURE_FLAGS = ("num_layers", "intermediate_size", "target_layer_ids", "draft_vocab_size", "mask_token_id")
+
+
+def trained_drafter(args: argparse.Namespace, model: nn.Module) -> Drafter:
+    """``--init DRAFTER``: continue from a trained drafter (e.g. on new answers), keeping its
+    architecture, taps and draft vocabulary, which flags could only contradict."""
+    given = [f"--{k.replace('_', '-')}" for k in ARCHITECTURE_FLAGS if getattr(args, k) is not None]
+    if given:
+        raise DFlashError(f"--init {args.init} keeps that drafter's architecture: drop {' '.join(given)}")
+    drafter = load_drafter(args.init, mx.float32)
+    if any(k.endswith(".scales") for k, _ in tree_flatten(drafter.parameters())):
+        raise DFlashError(f"--init {args.init} is quantized and cannot be trained: start from the float drafter")
+    check_pair(Target(model, []), drafter)
+    drafter.args.block_size = args.block_size or drafter.args.block_size
+    return drafter
+
+
+def new_drafter(args: argparse.Namespace, model: nn.Module, tokenizer, seqs: list) -> Drafter:
+    """``--init target`` or ``--init random``: a drafter shaped by the flags and the target."""
+    mask_id = default_mask_token(tokenizer) if args.mask_token_id is None else args.mask_token_id
+    dargs = make_drafter_args(Target(model, []), num_layers=args.num_layers or 1, block_size=args.block_size or 16,
+                              target_layer_ids=args.target_layer_ids, mask_token_id=mask_id,
+                              intermediate_size=args.intermediate_size)
+    if args.draft_vocab_size:
+        dargs.draft_vocab_size = min(args.draft_vocab_size, dargs.vocab_size)
+    drafter = Drafter(dargs)
+    if dargs.draft_vocab_size:
+        drafter.draft_vocab = draft_vocabulary(seqs, dargs.draft_vocab_size, dargs.vocab_size)
+    if args.init == "target":
+        init_from_target(drafter, Target(model, dargs.target_layer_ids))
+    return drafter
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Target: mlx_lm model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", "-o", required=True, help="Output folder: drafter checkpoint, data cache, logs")
     p.add_argument("--prompts", nargs="+", default=["gsm8k", "stdlib", "sharegpt"],
                    help="Prompt sources: gsm8k[:PATH], sharegpt, stdlib, PATH.jsonl, PATH.txt (mixed round-robin)")
     p.add_argument("--num-prompts", type=int, default=1000, help="Training prompts (the target answers each)")
+    p.add_argument("--skip-prompts", type=int, default=0,
+                   help="Skip the first N prompts of the mixed order (those an earlier run with this seed used)")
     p.add_argument("--eval-prompts", type=int, default=12, help="Held-out prompts for the final tau evaluation")
     p.add_argument("--max-response-tokens", type=int, default=256, help="Target answer length cap")
     p.add_argument("--gen-batch-size", type=int, default=32, help="Batch size of the target's answer generation")
-    p.add_argument("--num-layers", type=int, default=1, help="Drafter decoder layers")
+    p.add_argument("--num-layers", type=int, default=None, help="Drafter decoder layers (default: 1)")
     p.add_argument("--intermediate-size", type=int, default=None, help="Drafter MLP width (default: the target's)")
-    p.add_argument("--init", choices=["target", "random"], default="target",
-                   help="Drafter initialisation: copies of the target's last layers, or random")
+    p.add_argument("--init", default="target",
+                   help="Drafter start: 'target' (copies of its last layers), 'random', or a drafter folder or "
+                        "Hub id to continue training (its architecture and draft vocabulary are kept)")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="Target layers fed to the drafter")
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="Propose only the N most frequent answer tokens (faster drafts and training; default: all)")
-    p.add_argument("--block-size", type=int, default=16, help="Draft block size B (anchor + B-1 proposals)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="Draft block size B (anchor + B-1 proposals; default: the --init drafter's, else 16)")
     p.add_argument("--gamma", type=float, default=None, help="Loss decay over block positions (default: 7/5/4 for B 16/10/8)")
     p.add_argument("--mask-token-id", type=int, default=None, help="Mask token (default: pad/unk, else 0)")
     p.add_argument("--steps", type=int, default=600, help="Optimizer steps")
@@ -279,12 +318,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from .data import cached_hidden, draft_vocabulary, generate_responses, load_prompts, make_batch, sequences
-
     out = Path(args.out)
     if not args.resume and (out / "trainer_state.json").exists():
         raise DFlashError(f"{out} already holds a training run: pass --resume to continue it or choose another --out")
-    if args.block_size < 2:
+    if args.block_size is not None and args.block_size < 2:
         raise DFlashError(f"--block-size {args.block_size} leaves nothing to draft: use 2 or more")
     model_path = args.model
     if model_path is None:
@@ -292,10 +329,12 @@ def run(args: argparse.Namespace) -> None:
 
         model_path = str(default_target())
     model, tokenizer = load_target(model_path)  # one-line errors for a bad path or architecture
+    trained = None if args.init in NEW_DRAFTER else trained_drafter(args, model)  # fails before the answers
     out.mkdir(parents=True, exist_ok=True)  # only once the target loaded: no empty folder on a bad --model
     mx.random.seed(args.seed)
 
-    prompts = load_prompts(args.prompts, args.num_prompts + args.eval_prompts, args.seed)
+    prompts = load_prompts(args.prompts, args.skip_prompts + args.num_prompts + args.eval_prompts, args.seed)
+    prompts = prompts[args.skip_prompts :]
     train_prompts, eval_prompts = prompts[: args.num_prompts], prompts[args.num_prompts :]
     tic = time.perf_counter()
     with tqdm(desc="target answers", unit="prompt", dynamic_ncols=True) as bar:
@@ -304,36 +343,26 @@ def run(args: argparse.Namespace) -> None:
     records = [r for r in records if r["id"] < len(train_prompts)]
     data_seconds = time.perf_counter() - tic
 
-    mask_id = default_mask_token(tokenizer) if args.mask_token_id is None else args.mask_token_id
-    dargs = make_drafter_args(Target(model, []), num_layers=args.num_layers, block_size=args.block_size,
-                              target_layer_ids=args.target_layer_ids, mask_token_id=mask_id,
-                              intermediate_size=args.intermediate_size)
-    target = Target(model, dargs.target_layer_ids)
-    model.freeze()
     seqs = sequences(records, tokenizer.eos_token_id, args.max_response_tokens)
     num_tokens = sum(len(t) - a for t, a in seqs)
+    drafter = trained or new_drafter(args, model, tokenizer, seqs)
+    dargs = drafter.args
+    target = Target(model, dargs.target_layer_ids)
+    model.freeze()
     # Beside the checkpoint, in shards a rerun with more prompts extends.
     with tqdm(desc="target hidden states", unit="seq", dynamic_ncols=True) as bar:
         hidden = cached_hidden(out / "cache", target, seqs, progress=bar)
-
-    if args.draft_vocab_size:
-        dargs.draft_vocab_size = min(args.draft_vocab_size, dargs.vocab_size)
-    drafter = Drafter(dargs)
-    if dargs.draft_vocab_size:
-        drafter.draft_vocab = draft_vocabulary(seqs, dargs.draft_vocab_size, dargs.vocab_size)
-    if args.init == "target":
-        init_from_target(drafter, target)
     mx.eval(drafter.parameters())
     warmup = max(1, int(args.warmup * args.steps))
     schedule = optim.join_schedules(
-        [optim.linear_schedule(0.0, args.lr, warmup), optim.cosine_decay(args.lr, args.steps - warmup, 0.1 * args.lr)],
+        [optim.linear_schedule(0.0, args.lr, warmup), optim.cosine_decay(args.lr, max(1, args.steps - warmup), 0.1 * args.lr)],
         [warmup],
     )
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=args.weight_decay)
     train_config = {k: v for k, v in vars(args).items() if k not in ("func", "resume")}
     step = load_checkpoint(out, drafter, optimizer) if args.resume and (out / "trainer_state.json").exists() else 0
 
-    B = args.block_size
+    B = dargs.block_size
     gamma = args.gamma or default_gamma(B)
     weights = mx.exp(-mx.arange(B - 1, dtype=mx.float32) / gamma)
     head, columns = target.head(drafter.vocab_rows), label_columns(drafter.vocab_rows, dargs.vocab_size)
@@ -341,7 +370,7 @@ def run(args: argparse.Namespace) -> None:
 
     def train_step(batch):
         context, first, anchors, labels, valid = batch
-        (loss, correct), grads = grad_fn(context, block_tokens(first, B, mask_id), anchors, columns[labels], valid)
+        (loss, correct), grads = grad_fn(context, block_tokens(first, B, dargs.mask_token_id), anchors, columns[labels], valid)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(drafter, grads)
         return loss, correct

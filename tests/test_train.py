@@ -117,6 +117,37 @@ def test_resume_continues_the_same_run(trained, tmp_path, monkeypatch):
         assert np.allclose(np.array(a[k]), np.array(b[k]), atol=1e-5), k
 
 
+def test_init_from_a_trained_drafter_continues_it(trained, tmp_path):
+    """``--init DRAFTER``: training starts from that drafter's weights, architecture and draft
+    vocabulary (at learning rate 0 it comes out unchanged); flags that would reshape it are refused."""
+    tmp, target, first = trained
+    out = tmp_path / "continued"
+    out.mkdir()
+    (out / "data.jsonl").write_text((first / "data.jsonl").read_text())  # skip regeneration
+    _train(tmp, target, out, 2, "--eval-prompts", "0", "--init", str(first), "--lr", "0", "--block-size", "4")
+    before, after = load_drafter(str(first)), load_drafter(str(out))
+    assert after.args.block_size == 4 and after.args.num_hidden_layers == before.args.num_hidden_layers
+    assert mx.array_equal(after.vocab_rows, before.vocab_rows).item()
+    ours = dict(tree_flatten(after.parameters()))
+    for k, v in tree_flatten(before.parameters()):
+        assert mx.array_equal(ours[k], v).item(), k
+    with pytest.raises(DFlashError, match="drop --num-layers --draft-vocab-size"):
+        _train(tmp, target, tmp_path / "refused", 2, "--init", str(first), "--num-layers", "2", "--draft-vocab-size", "8")
+    assert not (tmp_path / "refused").exists()
+
+
+def test_skip_prompts_trains_on_the_next_ones(trained, tmp_path):
+    """``--skip-prompts N`` answers the prompts after the first N of the same mixed order."""
+    tmp, target, _ = trained
+    out = tmp_path / "skipped"
+    _train(tmp, target, out, 1, "--skip-prompts", "30", "--num-prompts", "4", "--eval-prompts", "0")
+    _, tokenizer = mlx_lm.load(str(target))
+    expected = data.load_prompts([str(tmp / "prompts.txt")], 34)[30:]
+    records = sorted(data.read_records(out / "data.jsonl"), key=lambda r: r["id"])
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in expected]
+    assert [r["prompt_ids"] for r in records] == chat
+
+
 def test_init_from_target_reproduces_the_last_target_layer(tiny_pair):
     """``--init target``: the drafter's context keys/values start as the target's last layer computes them."""
     target_path, _ = tiny_pair("qwen3")
