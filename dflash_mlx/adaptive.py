@@ -275,6 +275,41 @@ class FixedBlockSize:
         self.acceptance.record(drafted, copy, committed)
 
 
+class ProbeSchedule:
+    """When a policy whose estimates favour plain decoding runs a speculative probe instead.
+
+    A probe follows ``every`` plain steps; each probe after which plain decoding still wins
+    doubles the wait, up to ``MAX_PROBE_EVERY`` (text the drafter cannot predict should not keep
+    paying for probes), and a step that drafts on its merits resets it. It starts due, so a low
+    prior alone cannot rule speculation out.
+    """
+
+    def __init__(self, every: int):
+        self.every, self.wait = every, every
+        self.plain_steps, self.probed = every - 1, False
+
+    def due(self) -> bool:
+        """Whether the next step that would decode plainly probes instead."""
+        return self.plain_steps + 1 >= self.wait
+
+    def probe(self, plain: bool, drafted: bool) -> bool:
+        """Account for a step whose best plan is ``plain`` (``drafted``: it runs the drafter);
+        True when that plain step is to be a probe."""
+        probed, self.probed = self.probed, False
+        if not plain:
+            self.plain_steps = 0
+            if drafted:
+                self.wait = self.every
+            return False
+        if probed:
+            self.wait = min(2 * self.wait, MAX_PROBE_EVERY)
+        self.plain_steps += 1
+        if self.plain_steps < self.wait:
+            return False
+        self.plain_steps, self.probed = 0, True
+        return True
+
+
 def _fastest(options: list[tuple[float, Plan]]) -> Plan:
     """The plan with the most expected tokens per second."""
     return max(options, key=lambda option: option[0])[1]
@@ -284,10 +319,8 @@ class AdaptiveBlockSize:
     """A ``BlockPolicy`` maximising expected tokens per second.
 
     prior / decay / optimism: of the drafter's ``RunRates``. probe_every: after this many plain
-    steps, run one speculative step to refresh the acceptance estimates; each probe after which
-    plain decoding still wins doubles the wait, up to ``MAX_PROBE_EVERY`` (text the drafter
-    cannot predict should not keep paying for probes), and a step that drafts on its merits
-    resets it. copy_block_size: the largest copy-only block (default: ``COPY_BLOCK_SIZE`` or the
+    steps, run one speculative step to refresh the acceptance estimates (``ProbeSchedule``).
+    copy_block_size: the largest copy-only block (default: ``COPY_BLOCK_SIZE`` or the
     drafted maximum if larger).
 
     timed: let observed step times rescale the calibrated cost of each block
@@ -318,9 +351,7 @@ class AdaptiveBlockSize:
         self.copy_block_size = copy_block_size or max(max_block_size, COPY_BLOCK_SIZE)
         longest = max(max_block_size, self.copy_block_size) - 1
         self.acceptance = Acceptance(max(max_block_size - 1, 1), max(longest, 1), prior, decay, optimism)
-        self.decay, self.probe_every = decay, probe_every
-        self.plain_steps = probe_every - 1  # due for a probe: the prior alone must not rule speculation out
-        self.probe_wait, self.probed = probe_every, False
+        self.decay, self.probes = decay, ProbeSchedule(probe_every)
         self.timed = timed
         self.drift: dict[int, float] = {}  # block size -> observed / calibrated seconds
 
@@ -360,23 +391,13 @@ class AdaptiveBlockSize:
     def plan(self, copy: Copy | None, merge: bool) -> Plan:
         options = self._options(copy, merge)
         plan = _fastest(options)
-        probed, self.probed = self.probed, False
-        if not plan.plain or self.max_block_size == 1:
-            self.plain_steps = 0
-            if plan.draft:
-                self.probe_wait = self.probe_every
-            return plan
-        if probed:
-            self.probe_wait = min(2 * self.probe_wait, MAX_PROBE_EVERY)
-        self.plain_steps += 1
-        if self.plain_steps < self.probe_wait:
-            return PLAIN
-        self.plain_steps, self.probed = 0, True
-        return _fastest(options[1:])
+        if self.probes.probe(plan.plain and self.max_block_size > 1, plan.draft):
+            return _fastest(options[1:])
+        return plan
 
     def expects_plain(self) -> bool:
         """Whether the next step decodes plainly unless a copy turns up."""
-        if self.plain_steps + 1 >= self.probe_wait:
+        if self.probes.due():
             return False
         return _fastest(self._options(None, False)).plain
 

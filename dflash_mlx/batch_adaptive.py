@@ -14,7 +14,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-from .adaptive import AdaptiveBlockSize, CostCurve, calibrate, interpolate
+from .adaptive import AdaptiveBlockSize, CostCurve, ProbeSchedule, calibrate, interpolate
 from .model import DFlashModel
 
 CALIBRATION_ROWS = (1, 2, 4, 8)
@@ -61,15 +61,15 @@ def row_cost_curve(model: DFlashModel, use_metal: bool | None = None) -> RowCost
 class BatchBlockSize:
     """The block size of each batch step: the B with the most optimistic expected tokens per
     second summed over the running rows (``next_block_size(trackers)``, one ``AdaptiveBlockSize``
-    per row from ``track``, which the engine feeds that row's own outcomes). As for one row, a
-    run of ``probe_every`` plain steps is followed by a speculative one, so a low prior or an
-    unlucky start cannot rule speculation out for good.
+    per row from ``track``, which the engine feeds that row's own outcomes). Plain steps are
+    interrupted by speculative probes on the same ``ProbeSchedule`` as one row's, so a low prior
+    or an unlucky start cannot rule speculation out for good, nor a batch the drafter keeps
+    missing on pay for a probe every 16 steps.
     """
 
     def __init__(self, curve: RowCostCurve, max_block_size: int, probe_every: int = 16, **row_kwargs):
-        self.row_curve, self.max_block_size, self.probe_every = curve, max_block_size, probe_every
+        self.row_curve, self.max_block_size, self.probes = curve, max_block_size, ProbeSchedule(probe_every)
         self.row_kwargs = row_kwargs
-        self.plain_steps = probe_every - 1  # due for a probe, as a single row is
 
     def track(self) -> AdaptiveBlockSize:
         """A new row's acceptance tracker (prior, decay and optimism from ``row_kwargs``)."""
@@ -87,18 +87,13 @@ class BatchBlockSize:
         """Whether the next step decodes plainly (the engine then starts it early)."""
         if self.max_block_size == 1:
             return True
-        return self.plain_steps + 1 < self.probe_every and self.best(trackers) == 1
+        return not self.probes.due() and self.best(trackers) == 1
 
     def next_block_size(self, trackers: list[AdaptiveBlockSize]) -> int:
         B = self.best(trackers)
-        if B > 1 or self.max_block_size == 1:
-            self.plain_steps = 0
-            return B
-        self.plain_steps += 1
-        if self.plain_steps < self.probe_every:
-            return 1
-        self.plain_steps = 0
-        return self.best(trackers, 2)
+        if self.probes.probe(B == 1 and self.max_block_size > 1, B > 1):
+            return self.best(trackers, 2)
+        return B
 
 
 def make_batch_policy(

@@ -415,6 +415,32 @@ def test_batch_policy_shrinks_the_block_as_rows_grow(family):
     assert len(engine.stats.block_sizes) > 1
 
 
+def test_batch_policy_backs_off_probing_a_drafter_that_keeps_missing():
+    """As for one row: plain steps, a probe now and then, the wait doubling after each probe that
+    changes nothing, reset once the rows draft on their merits again."""
+    steep = CostCurve(verify={1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}, draft={1: 0.0, 2: 0.2, 8: 0.4})
+    policy = BatchBlockSize(RowCostCurve({1: steep, 8: steep}), 8, probe_every=8)
+    trackers = [policy.track() for _ in range(4)]
+
+    def observe(fraction, steps=40):
+        for t in trackers:
+            for _ in range(steps):
+                t.observe(8, round(fraction * 7))
+
+    observe(0.0)
+    sizes, expected_plain = [], []
+    for _ in range(64):
+        expected_plain.append(policy.expects_plain(trackers))
+        sizes.append(policy.next_block_size(trackers))
+    assert [i for i, b in enumerate(sizes) if b > 1] == [0, 16, 48]
+    assert expected_plain == [b == 1 for b in sizes]
+    observe(1.0)
+    assert policy.next_block_size(trackers) > 1
+    observe(0.0, steps=80)
+    sizes = [policy.next_block_size(trackers) for _ in range(8)]
+    assert sizes.count(1) == 7 and sizes[-1] > 1
+
+
 def test_calibrated_batch_cost_grows_with_rows(tiny_pair):
     model, _ = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
     curve = calibrate_rows(model, rows=(1, 3), max_block_size=4, repeats=1)
