@@ -15,17 +15,6 @@ dflash-mlx train --out "$OUT" --prompts gsm8k stdlib sharegpt --num-prompts "${N
   --draft-vocab-size 8192 --init target --block-size 8 --steps "${STEPS:-2600}" --batch-seqs 4 \
   --anchors 32 --lr 1e-3 --save-every 100 --eval-prompts 4 --eval-max-tokens 96 --seed 0
 
-# 1b. Continue it on the answers to the next prompts of the same seeded order (the first 1717 + 4
-#     held-out ones above are skipped), keeping its architecture and draft vocabulary.
-#     (For the shipped drafter the answers were written to $OUT2/data.jsonl beforehand by two
-#     one-thread processes, half of the prompts each, ~1.5x the rate of one process on 2 cores;
-#     train generates whatever data.jsonl lacks, so the command alone makes the same data.)
-OUT2=${OUT2:-runs/smollm2-drafter-2}
-dflash-mlx train --out "$OUT2" --init "$OUT" --prompts gsm8k stdlib sharegpt --skip-prompts 1721 \
-  --num-prompts "${NUM_PROMPTS_2:-800}" --max-response-tokens 256 --gen-batch-size 32 --steps "${STEPS_2:-800}" \
-  --batch-seqs 4 --anchors 32 --lr 5e-4 --save-every 100 --eval-prompts 12 --eval-max-tokens 96 --seed 0
-OUT=$OUT2
-
 # 2. Ship it in float16 (half the bytes; widened back to float32 in the user cache on first use).
 python - "$OUT" <<'PY'
 import sys
