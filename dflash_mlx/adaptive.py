@@ -279,13 +279,13 @@ class ProbeSchedule:
     """When a policy whose estimates favour plain decoding runs a speculative probe instead.
 
     A probe follows ``every`` plain steps; each probe after which plain decoding still wins
-    doubles the wait, up to ``MAX_PROBE_EVERY`` (text the drafter cannot predict should not keep
-    paying for probes), and a step that drafts on its merits resets it. It starts due, so a low
-    prior alone cannot rule speculation out.
+    doubles the wait, up to ``longest`` (text the drafter cannot predict should not keep paying
+    for probes), and a step that drafts on its merits resets it. It starts due, so a low prior
+    alone cannot rule speculation out.
     """
 
-    def __init__(self, every: int):
-        self.every, self.wait = every, every
+    def __init__(self, every: int, longest: int = MAX_PROBE_EVERY):
+        self.every, self.wait, self.longest = every, every, longest
         self.plain_steps, self.probed = every - 1, False
 
     def due(self) -> bool:
@@ -302,7 +302,7 @@ class ProbeSchedule:
                 self.wait = self.every
             return False
         if probed:
-            self.wait = min(2 * self.wait, MAX_PROBE_EVERY)
+            self.wait = min(2 * self.wait, self.longest)
         self.plain_steps += 1
         if self.plain_steps < self.wait:
             return False

@@ -415,9 +415,9 @@ def test_batch_policy_shrinks_the_block_as_rows_grow(family):
     assert len(engine.stats.block_sizes) > 1
 
 
-def test_batch_policy_backs_off_probing_a_drafter_that_keeps_missing():
-    """As for one row: plain steps, a probe now and then, the wait doubling after each probe that
-    changes nothing, reset once the rows draft on their merits again."""
+def test_batch_policy_probes_a_drafter_that_keeps_missing_at_a_steady_rate():
+    """Plain steps with a probe every ``probe_every`` (no backoff: a batch's copies ride only on
+    drafted steps), and drafting on its merits again once the rows' drafts are right."""
     steep = CostCurve(verify={1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}, draft={1: 0.0, 2: 0.2, 8: 0.4})
     policy = BatchBlockSize(RowCostCurve({1: steep, 8: steep}), 8, probe_every=8)
     trackers = [policy.track() for _ in range(4)]
@@ -432,7 +432,7 @@ def test_batch_policy_backs_off_probing_a_drafter_that_keeps_missing():
     for _ in range(64):
         expected_plain.append(policy.expects_plain(trackers))
         sizes.append(policy.next_block_size(trackers))
-    assert [i for i, b in enumerate(sizes) if b > 1] == [0, 16, 48]
+    assert [i for i, b in enumerate(sizes) if b > 1] == [0, 8, 16, 24, 32, 40, 48, 56]
     assert expected_plain == [b == 1 for b in sizes]
     observe(1.0)
     assert policy.next_block_size(trackers) > 1
