@@ -69,7 +69,8 @@ class BatchBlockSize:
     """
 
     def __init__(self, curve: RowCostCurve, max_block_size: int, probe_every: int = 16, **row_kwargs):
-        self.row_curve, self.max_block_size, self.probes = curve, max_block_size, ProbeSchedule(probe_every, longest=probe_every)
+        self.row_curve, self.max_block_size = curve, max_block_size
+        self.probes = ProbeSchedule(probe_every, longest=probe_every)
         self.row_kwargs = row_kwargs
 
     def track(self) -> AdaptiveBlockSize:
