@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     sub_parser = Parser(prog=f"dflash-mlx {command}", description=help)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(argv[1:])
+    code = 0
     try:
         module.run(args)
     except DFlashError as e:
@@ -145,6 +146,10 @@ def main(argv: list[str] | None = None) -> None:
         rank = os.environ.get("MLX_RANK", "0")
         where = "" if rank == "0" else f" (rank {rank})"
         print(f"dflash-mlx {command}: error{where}: {e}", file=sys.stderr)
-        sys.exit(1)
+        code = 1
     except KeyboardInterrupt:
-        sys.exit(130)
+        code = 130
+    if control := sys.modules.get("dflash_mlx.control"):  # imported only by a sharded run
+        control.end_process(code)
+    if code:
+        sys.exit(code)

@@ -266,9 +266,10 @@ def test_serve_on_rank_0(tiny_pair, tmp_path):
         assert reply["choices"][0]["text"] == mlx_lm.generate(model, tokenizer, "hello", max_tokens=12)
         assert ranks[1].poll() is None  # still following
         ranks[0].terminate()
-        assert ranks[0].wait(timeout=30) == 0
-        assert ranks[1].wait(timeout=30) == 0
-        assert "Traceback" not in ranks[1].stderr.read()
+        codes = [r.wait(timeout=30) for r in ranks]
+        errors = [r.stderr.read() for r in ranks]
+        assert codes == [0, 0], f"exit codes {codes}\nrank 0:\n{errors[0][-2000:]}\nrank 1:\n{errors[1][-2000:]}"
+        assert "Traceback" not in errors[1]
     finally:
         for r in ranks:
             r.kill()
