@@ -520,7 +520,8 @@ def test_rows_merge_their_own_copies_and_stay_exact(tiny_pair, tmp_path):
 def test_sampled_rows_with_copies_are_exact(tiny_pair, tmp_path):
     """Third sampled token of rows whose proposals are copies (point masses, q = None), decoded
     eight at a time: its exact marginal. The rows' copy rates are set high, so every step with a
-    match copies; the prompt holds (its last token, x) for every x, so the first step always has one."""
+    match copies; the prompt holds (its last token, x) for every x, so the first step always has one.
+    The first request prefills the prompt; the others start from its prompt cache."""
     model, tokenizer = looping_pair(tiny_pair, tmp_path)
     net = model.target.model
     params = SamplingParams(temp=1.0, top_p=0.95)
@@ -528,12 +529,15 @@ def test_sampled_rows_with_copies_are_exact(tiny_pair, tmp_path):
     prompt = [v for x in range(V) for v in (40, x, (7 * x + 3) % V)] + [40]
     expected = third_token_marginal(net, prompt, params)
     engine = BatchEngine(model, block_size=3, completion_batch_size=8)
-    runs, uids = 300, []
+    runs, uids, events = 300, [], {}
     for i in range(runs):
         uids.append(engine.add(prompt, max_tokens=3, temp=params.temp, top_p=params.top_p, seed=10_000 + i))
         for rates in engine.pending[-1].copies.acceptance.copies:
             rates.rates = [1.0] * len(rates.rates)
-    events = collect(engine)
+        if i == 0:
+            collect(engine, events)
+    assert engine.cached_tokens(uids[-1]) == len(prompt) - 1
+    collect(engine, events)
     counts = np.bincount([events[u][2].token for u in uids], minlength=expected.size)
     assert chi_square_p_value(counts, expected) > ALPHA
     stats = [events[u][-1].stats for u in uids]

@@ -93,13 +93,15 @@ class HalfKnowingDrafter(Drafter):
         super().__init__(drafter.args)
         self.update(drafter.parameters())
         self.target_model, self.prompt = [target_model], prompt  # list: not a child module
+        self.rows: dict[int, mx.array] = {}  # the target's logits after prompt + anchor, by anchor
 
     def __call__(self, block_embeddings, context_hidden, cache, lm_head, ops):
         logits = super().__call__(block_embeddings, context_hidden, cache, lm_head, ops)
         table = self.target_model[0].model.embed_tokens.weight
         anchor = mx.argmin(((table - block_embeddings[0, 0]) ** 2).sum(-1)).item()
-        row = self.target_model[0](mx.array([self.prompt + [anchor]]))[0, -1]
-        return mx.concatenate([0.6 * row[None, None], logits[:, 1:]], axis=1)
+        if anchor not in self.rows:
+            self.rows[anchor] = self.target_model[0](mx.array([self.prompt + [anchor]]))[0, -1]
+        return mx.concatenate([0.6 * self.rows[anchor][None, None], logits[:, 1:]], axis=1)
 
 
 SETTINGS = [
