@@ -228,15 +228,18 @@ class BlockPolicy(Protocol):
 
 
 class Acceptance:
-    """Run rates of each source: the drafter, and copies by how much context they matched."""
+    """Run rates of each source: the drafter, and copies by where they came from (the text itself
+    or the drafter's corpus) and how much context they matched."""
 
     def __init__(self, draft_length: int, copy_length: int, prior: float, decay: float, optimism: float,
                  copy_prior: float = 0.5):
         self.drafter = RunRates(draft_length, prior, decay, optimism)
         self.copies = [RunRates(copy_length, copy_prior, decay, optimism) for _ in COPY_MATCH_CLASSES]
+        self.corpus_copies = [RunRates(copy_length, copy_prior, decay, optimism) for _ in COPY_MATCH_CLASSES]
 
     def copy_rates(self, copy: Copy) -> RunRates:
-        return self.copies[sum(copy.match >= m for m in COPY_MATCH_CLASSES) - 1]
+        classes = self.corpus_copies if copy.from_corpus else self.copies
+        return classes[sum(copy.match >= m for m in COPY_MATCH_CLASSES) - 1]
 
     def copy_goes_further(self, copy: Copy, proposals: int) -> bool:
         """Whether ``copy`` is expected (optimistically) to get at least as many of ``proposals``

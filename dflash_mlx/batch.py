@@ -46,6 +46,7 @@ from .batch_adaptive import BatchBlockSize, make_batch_policy
 from .batch_cache import PromptCache
 from .batch_prefill import prefill_chunks
 from .batch_copies import RowCopies
+from .copying import corpus_tokens
 from .decode import LogitsProcessor, Step, apply_processors
 from .dflash import top_probability
 from .drafter import Drafter
@@ -214,18 +215,16 @@ class BatchEngine:
                               "pass temp/top_p/top_k/min_p instead, or call mx.random.seed")
         stops = [[t] if isinstance(t, int) else list(t) for t in stop_tokens]
         request = _Request(
-            uid=next(self._uids),
-            prompt=prompt,
-            max_tokens=max_tokens,
+            uid=next(self._uids), prompt=prompt, max_tokens=max_tokens,
             strategy=make_strategy(SamplingParams(temp, top_p, top_k, min_p), sampler, self.ops),
             processors=list(logits_processors or []),
             matcher=StopSequences(stops).matcher(),
             key=None if seed is None else mx.random.key(seed),
             logprobs=logprobs,
             stats=SpeculativeStats(self.block_size, self.ops.path, self.fallbacks, adaptive=self.policy is not None,
-                                   copy_proposals=self.copy_proposals),
+                                   copy_proposals=self.copy_proposals, corpus_tokens=corpus_tokens(self.drafter)),
             block_cap=block_size,
-            copies=RowCopies(prompt, self.block_size) if self.copy_proposals else None,
+            copies=RowCopies(prompt, self.block_size, self.drafter.corpus) if self.copy_proposals else None,
             tracker=self.policy.track() if self.policy else None,
             cache=self.target.make_batch_cache(),
             draft_cache=[RaggedKVCache() for _ in self.drafter.layers],
@@ -384,7 +383,8 @@ class BatchEngine:
             if r.processors:
                 r.history = mx.concatenate([r.history, block[i, : n + 1]])
             copied = from_copy[i].tolist() if from_copy[i] is not None else []
-            r.stats.record(Step(committed, n, block_size=B, copied=sum(copied[:n]), copies=sum(copied)))
+            r.stats.record(Step(committed, n, block_size=B, copied=sum(copied[:n]), copies=sum(copied),
+                                from_corpus=bool(r.copies and r.copies.from_corpus)))
             if r.copies and drafted is not None:
                 r.copies.record(drafted[i], committed)
             if r.tracker:

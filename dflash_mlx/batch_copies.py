@@ -19,8 +19,8 @@ from .copying import Copy, CopyIndex, merge
 
 
 class RowCopies:
-    def __init__(self, prompt: list[int], block_size: int):
-        self.index = CopyIndex(prompt)
+    def __init__(self, prompt: list[int], block_size: int, corpus: CopyIndex | None = None):
+        self.index = CopyIndex(prompt, corpus)
         self.acceptance = Acceptance(max(block_size - 1, 1), max(block_size - 1, 1), prior=0.6, decay=0.8, optimism=0.3)
         self.copy: Copy | None = None  # this step's, until ``record``
 
@@ -40,6 +40,11 @@ class RowCopies:
                                          mx.array([rates.rate(i) for i in range(n)]))
             return proposals, q, from_copy
         return drafted, q, None
+
+    @property
+    def from_corpus(self) -> bool:
+        """Whether this step's copy came from the drafter's corpus."""
+        return self.copy is not None and self.copy.from_corpus
 
     def record(self, drafted: list[int], committed: list[int]) -> None:
         """What the drafter and the copy proposed this step against what the row committed."""

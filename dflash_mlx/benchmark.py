@@ -117,6 +117,7 @@ class DatasetResult:
     acceptance_lengths: list[int] = field(default_factory=list)
     drafted: int = 0  # accepted proposals by source
     copied: int = 0
+    corpus_copied: int = 0  # of the copies, those from the drafter's corpus
     mismatches: list[int] = field(default_factory=list)  # prompt indices whose greedy output differed
     block_sizes: list[int] = field(default_factory=list)  # verified rows per step (varies with --block-size auto)
     draft_seconds: list[float] = field(default_factory=list)
@@ -140,6 +141,7 @@ class DatasetResult:
             # tau = 1 (the target's own token) + accepted drafts per step + accepted copies per step
             "tau_drafter": round(self.drafted / len(n), 3) if n else None,
             "tau_copy": round(self.copied / len(n), 3) if n else None,
+            "tau_corpus": round(self.corpus_copied / len(n), 3) if n else None,  # part of tau_copy
             "histogram": dict(sorted(Counter(n).items())),
             "block_sizes": dict(sorted(Counter(self.block_sizes).items())),
             "draft_ms_per_step": round(1e3 * sum(self.draft_seconds) / steps, 2) if steps else None,
@@ -222,6 +224,7 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
         result.acceptance_lengths += last.stats.acceptance_lengths
         result.drafted += last.stats.drafted
         result.copied += last.stats.copied
+        result.corpus_copied += last.stats.corpus_copied
         if last.stats.sharding:
             result.sharding = last.stats.sharding.mode
             result.communication_seconds += last.stats.sharding.seconds_per_step * last.stats.sharding.steps
@@ -238,7 +241,7 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'dataset':<12}{'n':>4}{'mlx_lm tok/s':>14}{'DFlash tok/s':>14}{'speedup':>9}{'tau':>7}{'=1+draft':>9}"
-            f"{'+copy':>7}{'block':>7}{'draft ms':>10}{'verify ms':>11}  match  histogram (tokens/step:count)")
+            f"{'+copy':>7}{'corpus':>8}{'block':>7}{'draft ms':>10}{'verify ms':>11}  match  histogram (tokens/step:count)")
     lines = [head, "-" * len(head)]
     for r in rows:
         hist = " ".join(f"{k}:{v}" for k, v in r["histogram"].items())
@@ -248,7 +251,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['dataset']:<12}{r['num_prompts']:>4}{r['baseline_tps']:>14.2f}{r['dflash_tps']:>14.2f}"
             f"{fmt(r['speedup'], '.2f'):>8}x{fmt(r['tau'], '.2f'):>7}{fmt(r['tau_drafter'], '.2f'):>9}{fmt(r['tau_copy'], '.2f'):>7}"
-            f"{fmt(block, '.1f'):>7}{fmt(r['draft_ms_per_step'], '.1f'):>10}"
+            f"{fmt(r['tau_corpus'], '.2f'):>8}{fmt(block, '.1f'):>7}{fmt(r['draft_ms_per_step'], '.1f'):>10}"
             f"{fmt(r['verify_ms_per_step'], '.1f'):>11}  {str(r['match']):<6} {hist}"
         )
     return "\n".join(lines)

@@ -91,6 +91,7 @@ def _convert_drafter(src: Path, config: dict, out: Path, opts: Options, predicat
     import mlx.core as mx
     from mlx_lm.utils import quantize_model, save_config, save_model
 
+    from .copying import save_corpus
     from .drafter import load_drafter
 
     try:
@@ -102,8 +103,11 @@ def _convert_drafter(src: Path, config: dict, out: Path, opts: Options, predicat
         drafter.set_dtype(getattr(mx, dtype))  # floating parameters only: draft_vocab stays int32
     if predicate is not None:
         _, config = quantize_model(drafter, config, opts.group_size, opts.bits, mode=opts.mode, quant_predicate=predicate)
+    corpus = drafter.corpus
     save_model(out, drafter, donate_model=True)
     save_config(dict(config), out / "config.json")
+    if corpus is not None:
+        save_corpus(out, corpus.tokens)
 
 
 def carry_over_packed(out: Path, packed: dict) -> int:

@@ -6,6 +6,11 @@ finds the longest earlier match of the text's last tokens; what followed it ther
 the next positions. A continuation may run into the text being matched (a loop with a short
 period), so it always has the length asked for.
 
+A drafter may ship a corpus: the target's own answers to its training prompts (``corpus.npy``
+beside its weights, written by ``dflash-mlx train``). Its index is built once and shared; where the
+text's end matches the corpus for longer than anything earlier in the text, what followed it in the
+corpus is proposed instead (retrieval as in REST, He et al. 2023). Answers reuse their phrasing.
+
 Copied tokens are verified like drafted ones, so the output never changes: greedy keeps the
 target's argmax, and under sampling a copied token is drawn from a point mass (q = 1 at the copied
 id): it is accepted with probability p(id), and on rejection the residual is p without that id.
@@ -13,13 +18,17 @@ id): it is accepted with probability p(id), and on rejection the residual is p w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 MIN_MATCH = 2  # tokens of context a copy must match (the index key)
 MAX_MATCH = 32  # longer matches are not told apart
 CANDIDATES = 8  # most recent occurrences of the key compared for the longest match
+CORPUS_MIN_MATCH = 6  # shorter corpus matches guess too rarely to pay for their verify rows (README)
+CORPUS_FILE = "corpus.npy"  # a drafter folder's corpus: token ids of the target's answers, one run
 
 
 @dataclass(frozen=True)
@@ -28,14 +37,20 @@ class Copy:
 
     tokens: list[int]
     match: int
+    from_corpus: bool = False
+
+    def cut(self, length: int) -> "Copy":
+        return replace(self, tokens=self.tokens[:length])
 
 
 class CopyIndex:
-    """An incremental index of every ``MIN_MATCH``-gram of the text, by where it ended."""
+    """An incremental index of every ``MIN_MATCH``-gram of the text, by where it ended; with a
+    ``corpus`` (another, fixed index), matches in it are proposed too."""
 
-    def __init__(self, tokens: list[int]):
+    def __init__(self, tokens: list[int], corpus: "CopyIndex | None" = None):
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], list[int]] = {}  # key -> positions the key ended before
+        self.corpus = corpus
         self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
@@ -47,26 +62,53 @@ class CopyIndex:
                 ends.setdefault(tuple(text[end - MIN_MATCH : end]), []).append(end)
             text.append(t)
 
-    def suggest(self, length: int) -> Copy | None:
-        """``length`` tokens after the longest recent earlier match of the text's end, or None."""
-        text, L = self.tokens, len(self.tokens)
-        if length < 1 or L < MIN_MATCH:
-            return None
-        found = self.ends.get(tuple(text[L - MIN_MATCH :]))
-        if not found:
-            return None
+    def match(self, text: list[int]) -> tuple[int, int]:
+        """(where the continuation starts in this index's tokens, how many tokens matched) for the
+        longest recent match of the end of ``text``; (-1, 0) when there is none."""
+        L, own = len(text), self.tokens
+        found = self.ends.get(tuple(text[L - MIN_MATCH :])) if L >= MIN_MATCH else None
         best, best_match = -1, 0
-        for end in reversed(found[-CANDIDATES:]):
+        for end in reversed((found or [])[-CANDIDATES:]):
             match = MIN_MATCH
-            while match < MAX_MATCH and end - match > 0 and text[end - match - 1] == text[L - match - 1]:
+            while match < min(MAX_MATCH, L) and end - match > 0 and own[end - match - 1] == text[L - match - 1]:
                 match += 1
             if match > best_match:
                 best, best_match = end, match
+        return best, best_match
+
+    def suggest(self, length: int) -> Copy | None:
+        """``length`` tokens after the longest recent earlier match of the text's end, or None."""
+        if length < 1:
+            return None
+        start, match = self.match(self.tokens)
+        source = self.tokens
+        if self.corpus is not None:
+            corpus_start, corpus_match = self.corpus.match(self.tokens)
+            if corpus_match > match and corpus_match >= CORPUS_MIN_MATCH:
+                start, match, source = corpus_start, corpus_match, self.corpus.tokens
+        if not match:
+            return None
         out: list[int] = []
         for i in range(length):  # past the end of the text, the continuation copies itself
-            j = best + i
-            out.append(text[j] if j < L else out[j - L])
-        return Copy(out, best_match)
+            j = start + i
+            out.append(source[j] if j < len(source) else out[j - len(source)])
+        return Copy(out, match, source is not self.tokens)
+
+
+def load_corpus(folder: Path) -> CopyIndex | None:
+    """The corpus a drafter folder ships (``CORPUS_FILE``), indexed; None without one."""
+    path = Path(folder) / CORPUS_FILE
+    return CopyIndex(np.load(path).tolist()) if path.is_file() else None
+
+
+def corpus_tokens(drafter) -> int:
+    """How many tokens the drafter's corpus holds (0 without one)."""
+    return len(drafter.corpus.tokens) if drafter.corpus is not None else 0
+
+
+def save_corpus(folder: Path, tokens: list[int]) -> None:
+    """Write token ids (the target's answers, one after another) as a drafter folder's corpus."""
+    np.save(Path(folder) / CORPUS_FILE, np.array(tokens, np.int32))
 
 
 def merge(drafted: mx.array, confidence: mx.array, copied: mx.array, copy_rates: mx.array) -> tuple[mx.array, mx.array]:

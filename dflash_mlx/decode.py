@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from .adaptive import BlockPolicy, FixedBlockSize, Plan
-from .copying import Copy, CopyIndex, merge
+from .copying import CopyIndex, merge
 from .drafter import Drafter
 from .errors import DFlashError
 from .sampling import Strategy
@@ -27,6 +27,7 @@ class Step:
     block_size: int = 0  # rows verified this step (1: plain decoding, no proposals)
     copied: int = 0  # how many of the accepted proposals were copied from earlier text
     copies: int = 0  # how many of the block's proposals were copied
+    from_corpus: bool = False  # whether the copy came from the drafter's corpus, not from this text
 
 
 @dataclass
@@ -127,7 +128,7 @@ def speculative_decode(
         logits = apply_processors(processors, prompt[:-1], prompt[-1:], logits)
     anchor = strategy.first(logits).reshape(1)
     last = anchor.item()
-    copies = CopyIndex(prompt.tolist() + [last]) if copy_proposals else None
+    copies = CopyIndex(prompt.tolist() + [last], drafter.corpus) if copy_proposals else None
     yield Step([last], 0)
     produced = 1
     ahead = None  # the anchor's forward, started before the host read the anchor
@@ -139,7 +140,7 @@ def speculative_decode(
         plan = policy.plan(copy, strategy.deterministic)
         B = min(plan.block_size, room)
         if copy is not None:
-            copy = Copy(copy.tokens[: B - 1], copy.match) if B > 1 else None
+            copy = copy.cut(B - 1) if B > 1 else None
         drafted = from_copy = None
         if B > 1 and plan.draft:
             block = mx.concatenate([anchor, mx.repeat(mask, B - 1)])
@@ -199,5 +200,6 @@ def speculative_decode(
         drafted = drafted.tolist() if drafted is not None else None
         policy.record(Plan(B, drafted is not None, from_copy is not None), drafted, copy, committed, done - tic)
         from_copy = from_copy.tolist() if from_copy is not None else []
-        yield Step(committed, n, drafted_at - tic, done - drafted_at, B, sum(from_copy[:n]), sum(from_copy))
+        yield Step(committed, n, drafted_at - tic, done - drafted_at, B, sum(from_copy[:n]), sum(from_copy),
+                   any(from_copy) and copy.from_corpus)
 

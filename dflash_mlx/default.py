@@ -124,13 +124,17 @@ def default_drafter() -> Path:
     """The shipped drafter as float32 (CPU matmuls are fast in fp32 only)."""
     import mlx.core as mx
 
+    from .copying import CORPUS_FILE
     from .drafter import load_drafter, save_drafter
 
     shipped = shipped_drafter()
     if not (shipped / "config.json").is_file():
         raise DFlashError(f"the shipped drafter is missing from {shipped}: reinstall dflash-mlx")
-    # Keyed by content, so a new release's drafter never meets a stale cached copy.
-    digest = hashlib.sha256((shipped / "model.safetensors").read_bytes()).hexdigest()[:12]
+    # Keyed by content (weights and corpus), so a new release's drafter never meets a stale cached copy.
+    digest = hashlib.sha256()
+    for name in ("model.safetensors", CORPUS_FILE):
+        digest.update((shipped / name).read_bytes())
+    digest = digest.hexdigest()[:12]
     return _materialize(cache_dir() / f"{DRAFTER_DIR}-{digest}", lambda out: save_drafter(load_drafter(str(shipped)), out, mx.float32))
 
 

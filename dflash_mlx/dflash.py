@@ -252,6 +252,7 @@ class Drafter(nn.Module):
 
     architecture = "DFlashDraftModel"
     decoder_layer = DecoderLayer
+    corpus = None  # copying.CopyIndex of the answers its folder ships (corpus.npy), if any
 
     def __init__(self, args: DrafterArgs):
         super().__init__()

@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .checkpoint import load_weights, read_config, resolve
+from .copying import load_corpus, save_corpus
 from .dflash import Attention, Drafter, DrafterArgs, config_error, default_target_layer_ids
 from .dflash2 import DFlash2Args, DFlash2Drafter
 from .errors import DFlashError
@@ -87,6 +88,7 @@ def load_drafter(path_or_repo: str, dtype: mx.Dtype | None = None) -> Drafter:
     if dtype is not None:
         model.set_dtype(dtype)
     mx.eval(model.parameters())
+    model.corpus = load_corpus(path)
     return model
 
 
@@ -107,7 +109,7 @@ def drafter_config(drafter: Drafter) -> dict:
 
 
 def save_drafter(drafter: Drafter, out: Path, dtype: mx.Dtype = mx.float32) -> None:
-    """config.json + model.safetensors, loadable by ``load_drafter`` and the converter."""
+    """config.json + model.safetensors (+ its corpus), loadable by ``load_drafter`` and the converter."""
     out.mkdir(parents=True, exist_ok=True)
     config = drafter_config(drafter)
     config["torch_dtype"] = str(dtype).split(".")[-1]
@@ -115,3 +117,5 @@ def save_drafter(drafter: Drafter, out: Path, dtype: mx.Dtype = mx.float32) -> N
                for k, v in tree_flatten(drafter.parameters())}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if drafter.corpus is not None:
+        save_corpus(out, drafter.corpus.tokens)

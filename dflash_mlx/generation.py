@@ -15,6 +15,7 @@ from .decode import DecodeCache, LogitsProcessor, speculative_decode
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
 from .sampling import Sampler, SamplingParams, make_strategy
+from .copying import corpus_tokens
 from .stats import SpeculativeStats, format_stats
 
 @dataclass
@@ -108,7 +109,8 @@ def stream_generate(
     stops = set(tokenizer.eos_token_ids) | set(stop_tokens)
     start_record = getattr(model.target, "start_record", None)  # a sharded target (distributed.Driver)
     stats = SpeculativeStats(block_size, ops.path, adaptive=policy is not None, kernel_fallbacks=ops.fallbacks,
-                             copy_proposals=copy_proposals, sharding=start_record() if start_record else None)
+                             copy_proposals=copy_proposals, corpus_tokens=corpus_tokens(model.drafter),
+                             sharding=start_record() if start_record else None)
     if prompt_cache is None:
         prompt_cache = DecodeCache.new(model.target, model.drafter, draft_window)
     detokenizer = tokenizer.detokenizer

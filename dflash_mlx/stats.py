@@ -45,6 +45,8 @@ class SpeculativeStats:
     sharding: ShardingStats | None = None  # set when the target is sharded over several ranks
     copy_proposals: bool = True  # whether copies from earlier text could be proposed
     copied: int = 0  # accepted proposals that were copied
+    corpus_copied: int = 0  # of those, the ones copied from the drafter's corpus
+    corpus_tokens: int = 0  # the size of the drafter's corpus (0: it has none)
     drafted: int = 0  # accepted proposals the drafter made
     copy_steps: int = 0  # steps whose block held copied tokens
 
@@ -53,8 +55,14 @@ class SpeculativeStats:
         self.acceptance_lengths.append(len(step.tokens))
         self.block_sizes.append(step.block_size)
         self.copied += step.copied
+        self.corpus_copied += step.copied if step.from_corpus else 0
         self.drafted += step.accepted - step.copied
         self.copy_steps += step.copies > 0
+
+    def describe_corpus(self) -> str:
+        if not self.corpus_tokens:
+            return "the drafter has no corpus"
+        return f"{self.corpus_copied} from the drafter's corpus of {self.corpus_tokens:,} tokens"
 
     @property
     def speculative(self) -> bool:
@@ -107,7 +115,8 @@ def format_stats(response) -> str:
             f"({s.describe()}; kernels: {s.kernels})",
             *(f"Kernel fallback to the MLX twin: {reason}" for reason in sorted(s.kernel_fallbacks)),
             f"Accepted proposals: {s.drafted} drafted, {s.copied} copied"
-            + (f" ({s.copy_steps} steps held copies)" if s.copy_proposals else " (copy proposals off)"),
+            + (f" ({s.copy_steps} steps held copies; {s.describe_corpus()})" if s.copy_proposals
+               else " (copy proposals off)"),
             f"Acceptance histogram (tokens/step:count): {hist}",
             *([f"Sharded: {s.sharding.describe()}"] if s.sharding else []),
             f"Peak memory: {response.peak_memory:.3f} GB",

@@ -35,6 +35,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .copying import CopyIndex
 from .data import cached_hidden, draft_vocabulary, generate_responses, load_prompts, make_batch, sequences
 from .drafter import Attention, Drafter, DrafterArgs, default_target_layer_ids, load_drafter, save_drafter
 from .errors import DFlashError
@@ -346,6 +347,9 @@ def run(args: argparse.Namespace) -> None:
     seqs = sequences(records, tokenizer.eos_token_id, args.max_response_tokens)
     num_tokens = sum(len(t) - a for t, a in seqs)
     drafter = trained or new_drafter(args, model, tokenizer, seqs)
+    # The answers it learns from are also the corpus it copies from (copying.py).
+    earlier = drafter.corpus.tokens if trained is not None and trained.corpus is not None else []
+    drafter.corpus = CopyIndex(earlier + [t for r in records for t in r["response_ids"]])
     dargs = drafter.args
     target = Target(model, dargs.target_layer_ids)
     model.freeze()
@@ -408,4 +412,5 @@ def run(args: argparse.Namespace) -> None:
         print(f"held-out tau {result['held_out']['tau']:.2f} over {result['held_out']['steps']} steps "
               f"({len(eval_prompts)} prompts), histogram {result['held_out']['histogram']}")
     (out / "train_result.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"drafter written to {out} ({num_tokens} answer tokens, {len(seqs)} sequences)")
+    print(f"drafter written to {out} ({num_tokens} answer tokens, {len(seqs)} sequences; "
+          f"a copy corpus of {len(drafter.corpus.tokens)} tokens)")

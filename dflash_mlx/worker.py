@@ -39,7 +39,7 @@ class Metrics:
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.generation_seconds = 0.0
         self.steps = self.step_tokens = self.plain_steps = 0
-        self.drafted_tokens = self.copied_tokens = 0
+        self.drafted_tokens = self.copied_tokens = self.corpus_copied_tokens = 0
         self.last_tps = 0.0
         self.last_speculative = 0
         self.batching: str | None = "not started"  # None when requests are batched, else why not
@@ -66,6 +66,8 @@ class Metrics:
                 ("plain_steps_total", "counter", "Steps decoded without a draft (block size 1)", self.plain_steps),
                 ("drafted_tokens_total", "counter", "Accepted tokens the drafter proposed", self.drafted_tokens),
                 ("copied_tokens_total", "counter", "Accepted tokens copied from earlier text", self.copied_tokens),
+                ("corpus_copied_tokens_total", "counter", "Of the copied tokens, those from the drafter's corpus",
+                 self.corpus_copied_tokens),
                 ("speculative", "gauge", "1 if the last request drafted, 0 if it decoded plainly", self.last_speculative),
                 ("batched", "gauge", "1 if concurrent requests are decoded together; if 0, the reason label says why not",
                  int(self.batching is None)),
@@ -293,5 +295,6 @@ class Worker(threading.Thread):
             m.plain_steps += sum(1 for b in s.block_sizes if b == 1)
             m.drafted_tokens += s.drafted
             m.copied_tokens += s.copied
+            m.corpus_copied_tokens += s.corpus_copied
             m.last_tps = tps
             m.last_speculative = int(s.speculative)

@@ -536,6 +536,19 @@ def test_drafter_quantized_loads_and_stays_close(drafter_source, tmp_path, bits)
     assert result.bits_per_weight < 16
 
 
+def test_a_drafter_corpus_is_converted_with_it(drafter_source, tmp_path):
+    import shutil
+
+    from dflash_mlx.copying import save_corpus
+    from dflash_mlx.drafter import load_drafter
+
+    src = tmp_path / "src"
+    shutil.copytree(drafter_source["fp32"], src)
+    save_corpus(src, [5, 7, 9, 7, 5])
+    convert(str(src), str(tmp_path / "q"), quantize=True, q_bits=4)
+    assert load_drafter(str(tmp_path / "q")).corpus.tokens == [5, 7, 9, 7, 5]
+
+
 def test_drafter_recipes(drafter_source, tmp_path):
     from dflash_mlx.drafter import load_drafter
 

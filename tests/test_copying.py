@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from stats import ALPHA, chi_square_p_value
-from tiny import OracleDrafter
+from tiny import EOS_ID, OracleDrafter
 
 import dflash_mlx
 from dflash_mlx import DFlashModel, stream_generate
 from dflash_mlx.adaptive import AdaptiveBlockSize, CostCurve, FixedBlockSize
-from dflash_mlx.copying import Copy, CopyIndex, common_run, merge
+from dflash_mlx.copying import CORPUS_MIN_MATCH, Copy, CopyIndex, common_run, merge
 from dflash_mlx.decode import DecodeCache, speculative_decode
 from dflash_mlx.kernels import get_ops, rejection_accept_twin
 from dflash_mlx.sampling import SamplingParams, make_strategy, probabilities
@@ -41,6 +41,31 @@ def test_a_loop_continues_itself():
     copy = CopyIndex([7, 1, 2, 3, 1, 2, 3, 1]).suggest(8)
     assert copy.tokens == [2, 3, 1, 2, 3, 1, 2, 3] and copy.match == 4  # "1 2 3 1" matched
     assert CopyIndex([4, 4, 4]).suggest(5).tokens == [4] * 5
+
+
+def test_a_corpus_match_is_proposed_where_it_is_longer():
+    M = CORPUS_MIN_MATCH
+    run = list(range(1, M + 1))
+    corpus = CopyIndex([50, *run, 60, 61, 62, 63])
+    # The text's end matches the corpus for M tokens and the text itself for 2 ("5 6" at its start).
+    text = [M - 1, M, 0, *run]
+    assert CopyIndex(text, corpus).suggest(3) == Copy([60, 61, 62], M, from_corpus=True)
+    # Past the corpus's end, the continuation repeats itself, so it has the length asked for.
+    assert CopyIndex(text, corpus).suggest(6).tokens == [60, 61, 62, 63, 60, 61]
+    # As long a match in the text itself wins: it is this text's own habit.
+    assert CopyIndex([*run, 70, *run], corpus).suggest(2) == Copy([70, 1], M)
+    # A corpus match shorter than CORPUS_MIN_MATCH is not proposed, even with nothing else.
+    assert CopyIndex([99, *run[1:]], corpus).suggest(3) is None
+
+
+def test_a_drafter_folder_keeps_its_corpus(tiny_pair, tmp_path):
+    from dflash_mlx.drafter import load_drafter, save_drafter
+
+    drafter = load_drafter(str(tiny_pair("qwen3")[1]))
+    assert drafter.corpus is None
+    drafter.corpus = CopyIndex([3, 1, 4, 1, 5, 9, 2, 6])
+    save_drafter(drafter, tmp_path / "with")
+    assert load_drafter(str(tmp_path / "with")).corpus.tokens == [3, 1, 4, 1, 5, 9, 2, 6]
 
 
 def test_merge_keeps_agreement_and_never_switches_back():
@@ -134,6 +159,34 @@ def test_greedy_with_copies_matches_mlx_lm(family, block_size, drafter):
     assert copied > 0 and copy_steps > 0  # copies were really proposed and accepted
 
 
+def test_greedy_with_a_corpus_matches_mlx_lm(family):
+    """The drafter's corpus holds the answers with every 10th token changed: its copies are accepted
+    for a while, then rejected; one at a time and batched, the output stays mlx_lm's."""
+    from dflash_mlx.batch import BatchEngine
+
+    model, tokenizer, prompts, refs = family
+    corpus = [(t + 1) % model.target.vocab_size if i % 10 == 9 else t for ref in refs for i, t in enumerate(ref)]
+    model.drafter.corpus = CopyIndex(corpus)
+    try:
+        corpus_copied = 0
+        for prompt, ref in zip(prompts, refs):
+            responses = list(stream_generate(model, tokenizer, prompt, 40, block_size=8))
+            assert [r.token for r in responses] == ref[: len(responses)]
+            corpus_copied += responses[-1].stats.corpus_copied
+            assert responses[-1].stats.corpus_tokens == len(corpus)
+        assert corpus_copied > 0
+        engine = BatchEngine(model, block_size=8)
+        uids = [engine.add(p, max_tokens=40, stop_tokens=[2]) for p in prompts]
+        events = {}
+        while not engine.idle:
+            for e in engine.step():
+                events.setdefault(e.uid, []).append(e)
+        assert [[e.token for e in events[u]] for u in uids] == [ref[: len(events[u])] for u, ref in zip(uids, refs)]
+        assert sum(events[u][-1].stats.corpus_copied for u in uids) > 0
+    finally:
+        model.drafter.corpus = None
+
+
 def test_copies_off_proposes_none(family):
     model, tokenizer, prompts, refs = family
     responses = list(stream_generate(model, tokenizer, prompts[0], 40, block_size=8, copy_proposals=False))
@@ -142,15 +195,21 @@ def test_copies_off_proposes_none(family):
 
 
 def test_sampling_with_copies_is_exact(tiny_pair):
-    """The second generated token follows the target's exact marginal while copy-only steps run."""
+    """The second generated token follows the target's exact marginal while copy-only steps run,
+    copying from the text itself or from the drafter's corpus."""
     model, tokenizer = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
     target = model.target.model
     params = SamplingParams(temp=1.0)
-    # Ends with "x" after "x" + every character: whatever the first token, its key was seen, so
-    # the second step copies.
+    # Ends with "x"; "x" + c occurs in the prompt for half the characters c, and the corpus holds
+    # the prompt's last CORPUS_MIN_MATCH - 1 tokens + c for the others: whatever the first token,
+    # the text's end was seen, so the second step copies.
     from tiny import CHARS
 
-    prompt = tokenizer.encode("x" + "x".join(CHARS) + "x")
+    half = len(CHARS) // 2
+    prompt = tokenizer.encode("x" + "x".join(CHARS[:half]) + "x")
+    tail = prompt[1 - CORPUS_MIN_MATCH :]
+    others = tokenizer.encode("".join(CHARS[half:]), add_special_tokens=False)
+    model.drafter.corpus = CopyIndex([t for c in others for t in (*tail, c, EOS_ID)])
     first = np.array(probabilities(target(mx.array([prompt]))[0, -1:], params))[0]
     second = np.array(probabilities(target(mx.array([prompt + [t] for t in range(len(first))]))[:, -1], params))
     expected = first @ second
@@ -160,7 +219,7 @@ def test_sampling_with_copies_is_exact(tiny_pair):
 
         def __init__(self):
             super().__init__(4)
-            for rates in self.acceptance.copies:
+            for rates in self.acceptance.copies + self.acceptance.corpus_copies:
                 rates.rates = [1.0] * len(rates.rates)
             self.copy_only = 0
 
@@ -169,7 +228,7 @@ def test_sampling_with_copies_is_exact(tiny_pair):
 
     strategy = make_strategy(params, None, get_ops())
     mx.random.seed(4321)
-    counts, copy_steps, accepted, runs = np.zeros(len(first), int), 0, 0, 600
+    counts, copy_steps, accepted, from_corpus, runs = np.zeros(len(first), int), 0, 0, 0, 600
     cache = DecodeCache.new(model.target, model.drafter)  # reused: each run prefills one token
     for _ in range(runs):
         policy = CopyFirst()
@@ -180,5 +239,7 @@ def test_sampling_with_copies_is_exact(tiny_pair):
         counts[step.tokens[0]] += 1
         copy_steps += policy.copy_only
         accepted += step.copied > 0
+        from_corpus += step.from_corpus
     assert chi_square_p_value(counts, expected) > ALPHA
     assert copy_steps > 0.8 * runs and 0 < accepted < copy_steps  # copies ran, some accepted, some rejected
+    assert 0.2 * copy_steps < from_corpus < 0.8 * copy_steps  # from both sources

@@ -148,6 +148,9 @@ def test_skip_prompts_trains_on_the_next_ones(tiny_pair, tmp_path):
     records = sorted(data.read_records(out / "data.jsonl"), key=lambda r: r["id"])
     chat = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in expected]
     assert [r["prompt_ids"] for r in records] == chat
+    # The drafter copies from the answers it was trained on (in the order they were written).
+    written = list(data.read_records(out / "data.jsonl"))
+    assert load_drafter(str(out)).corpus.tokens == [t for r in written for t in r["response_ids"]]
 
 
 def test_init_from_target_reproduces_the_last_target_layer(tiny_pair):
