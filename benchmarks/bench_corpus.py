@@ -1,7 +1,7 @@
 """The drafter's corpus, side by side in one process: mlx_lm, DFlash without the corpus, and
 DFlash with corpus copies from a given shortest match.
 
-    python benchmarks/bench_corpus.py [--min-match 2 4 6] [--num-prompts 5] [--out FILE]
+    python benchmarks/bench_corpus.py [--min-match 4 6] [--num-prompts 5] [--out FILE]
 
 Built-in pair, block size auto, greedy, 128 tokens, the three benchmark datasets. For every
 prompt each system runs once, in an order rotated from prompt to prompt, so a busy spell of this
@@ -25,12 +25,14 @@ MAX_TOKENS = 128
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--min-match", type=int, nargs="+", default=[2, 4, 6])
+    p.add_argument("--min-match", type=int, nargs="+", default=[4, 6])
     p.add_argument("--num-prompts", type=int, default=5)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model, tokenizer = dflash_mlx.load(*default_pair())
-    corpus = model.drafter.corpus
+    tokens = model.drafter.corpus.tokens
+    # Each shortest match gets an index keyed on it, as copying.corpus_index keys the default one.
+    corpora = {k: copying.CopyIndex(tokens, key_length=k) for k in args.min_match}
     systems = ["mlx_lm", "no corpus", *args.min_match]
     results = {}
     for dataset in DATASETS:
@@ -43,8 +45,8 @@ def main() -> None:
                 if system == "mlx_lm":
                     run = plain_run(model.target.model, tokenizer, prompt, MAX_TOKENS, 0.0, 0)
                 else:
-                    model.drafter.corpus = None if system == "no corpus" else corpus
-                    if system != "no corpus":
+                    model.drafter.corpus = corpora.get(system)
+                    if system in corpora:
                         copying.CORPUS_MIN_MATCH = system
                     run, last = _timed(stream_generate(model, tokenizer, prompt, MAX_TOKENS, block_size="auto"))
                     s = last.stats

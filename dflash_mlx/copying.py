@@ -44,32 +44,32 @@ class Copy:
 
 
 class CopyIndex:
-    """An incremental index of every ``MIN_MATCH``-gram of the text, by where it ended; with a
+    """An incremental index of every ``key_length``-gram of the text, by where it ended; with a
     ``corpus`` (another, fixed index), matches in it are proposed too."""
 
-    def __init__(self, tokens: list[int], corpus: "CopyIndex | None" = None):
+    def __init__(self, tokens: list[int], corpus: "CopyIndex | None" = None, key_length: int = MIN_MATCH):
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], list[int]] = {}  # key -> positions the key ended before
-        self.corpus = corpus
+        self.corpus, self.key_length = corpus, key_length
         self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
         """Add committed tokens; each makes the key that ended just before it copyable."""
-        text, ends = self.tokens, self.ends
+        text, ends, k = self.tokens, self.ends, self.key_length
         for t in tokens:
             end = len(text)
-            if end >= MIN_MATCH:
-                ends.setdefault(tuple(text[end - MIN_MATCH : end]), []).append(end)
+            if end >= k:
+                ends.setdefault(tuple(text[end - k : end]), []).append(end)
             text.append(t)
 
     def match(self, text: list[int]) -> tuple[int, int]:
         """(where the continuation starts in this index's tokens, how many tokens matched) for the
         longest recent match of the end of ``text``; (-1, 0) when there is none."""
-        L, own = len(text), self.tokens
-        found = self.ends.get(tuple(text[L - MIN_MATCH :])) if L >= MIN_MATCH else None
+        L, own, k = len(text), self.tokens, self.key_length
+        found = self.ends.get(tuple(text[L - k :])) if L >= k else None
         best, best_match = -1, 0
         for end in reversed((found or [])[-CANDIDATES:]):
-            match = MIN_MATCH
+            match = k
             while match < min(MAX_MATCH, L) and end - match > 0 and own[end - match - 1] == text[L - match - 1]:
                 match += 1
             if match > best_match:
@@ -95,10 +95,16 @@ class CopyIndex:
         return Copy(out, match, source is not self.tokens)
 
 
+def corpus_index(tokens: list[int]) -> CopyIndex:
+    """A corpus's index. Keyed on whole ``CORPUS_MIN_MATCH``-grams: in a large corpus a short key
+    recurs so often that its ``CANDIDATES`` latest occurrences would hide the longer matches."""
+    return CopyIndex(tokens, key_length=CORPUS_MIN_MATCH)
+
+
 def load_corpus(folder: Path) -> CopyIndex | None:
     """The corpus a drafter folder ships (``CORPUS_FILE``), indexed; None without one."""
     path = Path(folder) / CORPUS_FILE
-    return CopyIndex(np.load(path).tolist()) if path.is_file() else None
+    return corpus_index(np.load(path).tolist()) if path.is_file() else None
 
 
 def corpus_tokens(drafter) -> int:

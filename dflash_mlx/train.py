@@ -35,7 +35,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .copying import CopyIndex
+from .copying import corpus_index
 from .data import cached_hidden, draft_vocabulary, generate_responses, load_prompts, make_batch, sequences
 from .drafter import Attention, Drafter, DrafterArgs, default_target_layer_ids, load_drafter, save_drafter
 from .errors import DFlashError
@@ -349,7 +349,7 @@ def run(args: argparse.Namespace) -> None:
     drafter = trained or new_drafter(args, model, tokenizer, seqs)
     # The answers it learns from are also the corpus it copies from (copying.py).
     earlier = drafter.corpus.tokens if trained is not None and trained.corpus is not None else []
-    drafter.corpus = CopyIndex(earlier + [t for r in records for t in r["response_ids"]])
+    drafter.corpus = corpus_index(earlier + [t for r in records for t in r["response_ids"]])
     dargs = drafter.args
     target = Target(model, dargs.target_layer_ids)
     model.freeze()

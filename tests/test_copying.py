@@ -17,7 +17,7 @@ from tiny import EOS_ID, OracleDrafter
 import dflash_mlx
 from dflash_mlx import DFlashModel, stream_generate
 from dflash_mlx.adaptive import AdaptiveBlockSize, CostCurve, FixedBlockSize
-from dflash_mlx.copying import CORPUS_MIN_MATCH, Copy, CopyIndex, common_run, merge
+from dflash_mlx.copying import CORPUS_MIN_MATCH, Copy, CopyIndex, common_run, corpus_index, merge
 from dflash_mlx.decode import DecodeCache, speculative_decode
 from dflash_mlx.kernels import get_ops, rejection_accept_twin
 from dflash_mlx.sampling import SamplingParams, make_strategy, probabilities
@@ -46,7 +46,7 @@ def test_a_loop_continues_itself():
 def test_a_corpus_match_is_proposed_where_it_is_longer():
     M = CORPUS_MIN_MATCH
     run = list(range(1, M + 1))
-    corpus = CopyIndex([50, *run, 60, 61, 62, 63])
+    corpus = corpus_index([50, *run, 60, 61, 62, 63])
     # The text's end matches the corpus for M tokens and the text itself for 2 ("5 6" at its start).
     text = [M - 1, M, 0, *run]
     assert CopyIndex(text, corpus).suggest(3) == Copy([60, 61, 62], M, from_corpus=True)
@@ -56,6 +56,10 @@ def test_a_corpus_match_is_proposed_where_it_is_longer():
     assert CopyIndex([*run, 70, *run], corpus).suggest(2) == Copy([70, 1], M)
     # A corpus match shorter than CORPUS_MIN_MATCH is not proposed, even with nothing else.
     assert CopyIndex([99, *run[1:]], corpus).suggest(3) is None
+    # The corpus is keyed on whole CORPUS_MIN_MATCH-grams: later, shorter matches of the last
+    # tokens (here 20 of them) do not hide the one long match.
+    crowded = corpus_index([50, *run, 60, 61] + [0, *run[-2:], 70] * 20)
+    assert CopyIndex(text, crowded).suggest(2) == Copy([60, 61], M, from_corpus=True)
 
 
 def test_a_drafter_folder_keeps_its_corpus(tiny_pair, tmp_path):
@@ -63,7 +67,7 @@ def test_a_drafter_folder_keeps_its_corpus(tiny_pair, tmp_path):
 
     drafter = load_drafter(str(tiny_pair("qwen3")[1]))
     assert drafter.corpus is None
-    drafter.corpus = CopyIndex([3, 1, 4, 1, 5, 9, 2, 6])
+    drafter.corpus = corpus_index([3, 1, 4, 1, 5, 9, 2, 6])
     save_drafter(drafter, tmp_path / "with")
     assert load_drafter(str(tmp_path / "with")).corpus.tokens == [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -166,7 +170,7 @@ def test_greedy_with_a_corpus_matches_mlx_lm(family):
 
     model, tokenizer, prompts, refs = family
     corpus = [(t + 1) % model.target.vocab_size if i % 10 == 9 else t for ref in refs for i, t in enumerate(ref)]
-    model.drafter.corpus = CopyIndex(corpus)
+    model.drafter.corpus = corpus_index(corpus)
     try:
         corpus_copied = 0
         for prompt, ref in zip(prompts, refs):
@@ -209,7 +213,7 @@ def test_sampling_with_copies_is_exact(tiny_pair):
     prompt = tokenizer.encode("x" + "x".join(CHARS[:half]) + "x")
     tail = prompt[1 - CORPUS_MIN_MATCH :]
     others = tokenizer.encode("".join(CHARS[half:]), add_special_tokens=False)
-    model.drafter.corpus = CopyIndex([t for c in others for t in (*tail, c, EOS_ID)])
+    model.drafter.corpus = corpus_index([t for c in others for t in (*tail, c, EOS_ID)])
     first = np.array(probabilities(target(mx.array([prompt]))[0, -1:], params))[0]
     second = np.array(probabilities(target(mx.array([prompt + [t] for t in range(len(first))]))[:, -1], params))
     expected = first @ second
