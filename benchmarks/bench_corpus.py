@@ -31,7 +31,7 @@ def main() -> None:
     args = p.parse_args()
     model, tokenizer = dflash_mlx.load(*default_pair())
     tokens = model.drafter.corpus.tokens
-    # Each shortest match gets an index keyed on it, as copying.corpus_index keys the default one.
+    # A corpus index finds matches as long as its key at least (copying.corpus_index).
     corpora = {k: copying.CopyIndex(tokens, key_length=k) for k in args.min_match}
     systems = ["mlx_lm", "no corpus", *args.min_match]
     results = {}
@@ -46,8 +46,6 @@ def main() -> None:
                     run = plain_run(model.target.model, tokenizer, prompt, MAX_TOKENS, 0.0, 0)
                 else:
                     model.drafter.corpus = corpora.get(system)
-                    if system in corpora:
-                        copying.CORPUS_MIN_MATCH = system
                     run, last = _timed(stream_generate(model, tokenizer, prompt, MAX_TOKENS, block_size="auto"))
                     s = last.stats
                     t["steps"] += len(s.acceptance_lengths)

@@ -84,7 +84,7 @@ class CopyIndex:
         source = self.tokens
         if self.corpus is not None:
             corpus_start, corpus_match = self.corpus.match(self.tokens)
-            if corpus_match > match and corpus_match >= CORPUS_MIN_MATCH:
+            if corpus_match > match:
                 start, match, source = corpus_start, corpus_match, self.corpus.tokens
         if not match:
             return None
@@ -96,8 +96,9 @@ class CopyIndex:
 
 
 def corpus_index(tokens: list[int]) -> CopyIndex:
-    """A corpus's index. Keyed on whole ``CORPUS_MIN_MATCH``-grams: in a large corpus a short key
-    recurs so often that its ``CANDIDATES`` latest occurrences would hide the longer matches."""
+    """A corpus's index, keyed on whole ``CORPUS_MIN_MATCH``-grams, so that no shorter match is
+    found in it, and because in a large corpus a short key recurs so often that its ``CANDIDATES``
+    latest occurrences would hide the longer matches."""
     return CopyIndex(tokens, key_length=CORPUS_MIN_MATCH)
 
 

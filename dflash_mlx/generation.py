@@ -11,11 +11,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import kernels
 from .adaptive import AdaptiveBlockSize, make_policy
+from .copying import corpus_tokens
 from .decode import DecodeCache, LogitsProcessor, speculative_decode
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
 from .sampling import Sampler, SamplingParams, make_strategy
-from .copying import corpus_tokens
 from .stats import SpeculativeStats, format_stats
 
 @dataclass

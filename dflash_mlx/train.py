@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> None:
     num_tokens = sum(len(t) - a for t, a in seqs)
     drafter = trained or new_drafter(args, model, tokenizer, seqs)
     # The answers it learns from are also the corpus it copies from (copying.py).
-    earlier = drafter.corpus.tokens if trained is not None and trained.corpus is not None else []
+    earlier = drafter.corpus.tokens if drafter.corpus is not None else []
     drafter.corpus = corpus_index(earlier + [t for r in records for t in r["response_ids"]])
     dargs = drafter.args
     target = Target(model, dargs.target_layer_ids)

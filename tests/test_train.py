@@ -140,16 +140,15 @@ def test_init_from_a_trained_drafter_continues_it(tiny_pair, tmp_path):
 def test_skip_prompts_trains_on_the_next_ones(tiny_pair, tmp_path):
     """``--skip-prompts N`` answers the prompts after the first N of the same mixed order."""
     target, _ = tiny_pair("qwen3")
-    tmp = tmp_path
     out = tmp_path / "skipped"
-    _train(tmp, target, out, 1, "--skip-prompts", "30", "--num-prompts", "4", "--eval-prompts", "0")
+    _train(tmp_path, target, out, 1, "--skip-prompts", "30", "--num-prompts", "4", "--eval-prompts", "0")
     _, tokenizer = mlx_lm.load(str(target))
-    expected = data.load_prompts([str(tmp / "prompts.txt")], 34)[30:]
-    records = sorted(data.read_records(out / "data.jsonl"), key=lambda r: r["id"])
+    expected = data.load_prompts([str(tmp_path / "prompts.txt")], 34)[30:]
+    written = data.read_records(out / "data.jsonl")
+    records = sorted(written, key=lambda r: r["id"])
     chat = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in expected]
     assert [r["prompt_ids"] for r in records] == chat
     # The drafter copies from the answers it was trained on (in the order they were written).
-    written = list(data.read_records(out / "data.jsonl"))
     assert load_drafter(str(out)).corpus.tokens == [t for r in written for t in r["response_ids"]]
 
 
