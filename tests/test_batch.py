@@ -447,7 +447,6 @@ def test_calibrated_batch_cost_grows_with_rows(tiny_pair):
     assert set(curve.curves) == {1, 3}
     for B in (1, 2, 4):
         assert 0 < curve.step_seconds(1, B) <= curve.step_seconds(2, B) <= curve.step_seconds(3, B)
-    assert curve.step_seconds(3, 4) >= curve.step_seconds(3, 1)
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "qwen3_5"])

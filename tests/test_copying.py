@@ -114,6 +114,16 @@ def test_policies_pick_the_source_that_is_accepted_further():
     assert plan.block_size == 16 and not plan.draft  # longer than the drafter's block: no drafter runs
     assert adaptive.plan(None, True).draft or adaptive.plan(None, True).plain
 
+    # OpenBLAS on x86: 16 rows cost less than 12. A copy accepted for 11 tokens then takes 16 rows
+    # (cheaper than 12, as many tokens); were 16 priced as 12, 8 rows would win.
+    dip = CostCurve(verify={1: 1.0, 8: 1.5, 12: 2.4, 16: 1.5}, draft={1: 0.0, 2: 0.2, 16: 0.3})
+    adaptive = AdaptiveBlockSize(dip, 8)
+    for _ in range(30):
+        adaptive.record(adaptive.plan(long, True), None, long, list(range(11)) + [99], 0.1)
+    assert adaptive.plan(long, True).block_size == 16
+    adaptive.curve = CostCurve(verify={1: 1.0, 8: 1.5, 12: 2.4, 16: 2.4}, draft=dip.draft)
+    assert adaptive.plan(long, True).block_size == 8
+
 
 def test_point_mass_rejection_is_exact():
     """A copied token under sampling: accepted with probability p(token), else the residual."""
