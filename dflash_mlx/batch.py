@@ -48,7 +48,6 @@ from .batch_prefill import prefill_chunks
 from .batch_copies import RowCopies
 from .copying import corpus_tokens
 from .decode import LogitsProcessor, Step, apply_processors
-from .dflash import top_probability
 from .drafter import Drafter
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
@@ -424,7 +423,7 @@ class BatchEngine:
         else:
             draft_logits = self.drafter(embeddings, context, self.draft_cache, self.head, self.ops)
             drafts = [r.strategy.propose(draft_logits[i], r.subkey()) for i, r in enumerate(rows)]
-            confidence = top_probability(draft_logits)
+            confidence = self.drafter.confidence(draft_logits)
         for r in rows:
             r.context = []
         return mx.stack([p for p, _ in drafts]), [q for _, q in drafts], confidence

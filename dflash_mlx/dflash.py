@@ -382,10 +382,18 @@ class Drafter(nn.Module):
         """
         logits = self(block_embeddings, context_hidden, cache, lm_head, strategy.ops)
         tokens, q = strategy.propose(logits)
-        return tokens, q, top_probability(logits)
+        return tokens, q, self.confidence(logits)
+
+    def confidence(self, logits: mx.array) -> mx.array:
+        """The softmax probability of each row's top score (``logits`` from ``__call__``): the
+        drafter's confidence in its own pick. Lazy: computed only where a copy proposal is weighed
+        against the pick. Over the draft vocabulary alone, where its scores are (the rest are
+        -inf): the exponentials over the whole vocabulary cost 5-7x more, 50 ms of a batch of
+        8 rows x 8 positions on this CPU."""
+        rows = self.vocab_rows
+        return top_probability(logits if rows is None else mx.take(logits, rows, axis=-1))
 
 
 def top_probability(logits: mx.array) -> mx.array:
-    """The softmax probability of each row's top score: a drafter's confidence in its own pick.
-    Lazy: computed only where a copy proposal is weighed against the pick."""
+    """The softmax probability of each row's top score."""
     return mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))

@@ -52,6 +52,11 @@ def test_drafter_proposes_only_its_vocabulary(tiny_pair):
     assert np.isinf(np.array(logits)[:, outside]).all()
     assert np.isfinite(np.array(logits)[:, np.array(rows)]).all()
     assert set(np.array(logits.argmax(-1)).tolist()) <= set(np.array(rows).tolist())
+    # The confidence, taken over the draft vocabulary alone, is the full softmax's top probability.
+    flat = logits * 0.01  # a random drafter's picks are near-certain: flatten them, -inf stays
+    top = mx.softmax(flat, axis=-1).max(axis=-1)
+    assert mx.allclose(drafter.confidence(flat), top, atol=1e-6).item()
+    assert (top < 0.9).all().item()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
