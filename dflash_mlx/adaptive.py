@@ -33,8 +33,9 @@ from .model import DFlashModel
 from .ragged import RaggedKVCache
 from .sampling import Greedy
 
-# 12 as well as the powers of two: with OpenBLAS on x86 a 16-row forward costs the same as an 8-row
-# one and less than 12 rows (its kernels take rows 16 at a time), so 9..15 are not between 8 and 16.
+# 12 as well as the powers of two: with OpenBLAS on this 2-core x86 CPU a 16-row forward
+# costs what 8 rows do and less than 12 (its kernels seem to take rows 16 at a time): 9..15 do
+# not lie between 8 and 16.
 CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
 # Largest block of a copy-only step: no drafter bounds it, and long copies are the ones that pay.
 COPY_BLOCK_SIZE = 16
