@@ -67,10 +67,10 @@ class CopyIndex:
         longest recent match of the end of ``text``; (-1, 0) when there is none."""
         L, own, k = len(text), self.tokens, self.key_length
         found = self.ends.get(tuple(text[L - k :])) if L >= k else None
-        best, best_match = -1, 0
+        best, best_match, longest = -1, 0, min(MAX_MATCH, L)
         for end in reversed((found or [])[-CANDIDATES:]):
             match = k
-            while match < min(MAX_MATCH, L) and end - match > 0 and own[end - match - 1] == text[L - match - 1]:
+            while match < longest and end - match > 0 and own[end - match - 1] == text[L - match - 1]:
                 match += 1
             if match > best_match:
                 best, best_match = end, match

@@ -132,8 +132,8 @@ def default_drafter() -> Path:
         raise DFlashError(f"the shipped drafter is missing from {shipped}: reinstall dflash-mlx")
     # Keyed by content (weights and corpus), so a new release's drafter never meets a stale cached copy.
     digest = hashlib.sha256()
-    for name in ("model.safetensors", CORPUS_FILE):
-        digest.update((shipped / name).read_bytes())
+    for path in (shipped / "model.safetensors", shipped / CORPUS_FILE):
+        digest.update(path.read_bytes() if path.is_file() else b"")
     digest = digest.hexdigest()[:12]
     return _materialize(cache_dir() / f"{DRAFTER_DIR}-{digest}", lambda out: save_drafter(load_drafter(str(shipped)), out, mx.float32))
 
