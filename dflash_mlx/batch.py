@@ -35,6 +35,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Iterable, Sequence
 
 import mlx.core as mx
@@ -419,14 +420,15 @@ class BatchEngine:
         if self.picks_in_order:  # one row (see __init__)
             tokens, q, confidence = self.drafter.propose(embeddings, anchors[:, 0], context, self.draft_cache,
                                                          self.head, KeyedPicks(rows[0].strategy, rows[0].subkey))
-            drafts = [(tokens[0], None if q is None else q[0])]
+            qs = [None if q is None else q[0]]
         else:
             draft_logits = self.drafter(embeddings, context, self.draft_cache, self.head, self.ops)
-            drafts = [r.strategy.propose(draft_logits[i], r.subkey()) for i, r in enumerate(rows)]
-            confidence = self.drafter.confidence(draft_logits)
+            tokens, qs, confidence = zip(*[self.drafter.pick(draft_logits[i], partial(r.strategy.propose, key=r.subkey()))
+                                           for i, r in enumerate(rows)])
+            tokens, confidence = mx.stack(tokens), mx.stack(confidence)
         for r in rows:
             r.context = []
-        return mx.stack([p for p, _ in drafts]), [q for _, q in drafts], confidence
+        return tokens, list(qs), confidence
 
     def _emit(self, request: _Request, tokens: list[int], accepted: int, logprobs, events: list[TokenEvent]) -> bool:
         """Turn committed tokens into events; False once the request is finished."""

@@ -284,13 +284,14 @@ class Drafter(nn.Module):
         windows = [layer.self_attn.sliding_window for layer in self.layers]
         return None if None in windows else max(windows) - 1
 
-    def full_vocab(self, logits: mx.array) -> mx.array:
-        """Scores over the draft vocabulary -> (..., V), -inf for ids it never proposes."""
+    def full_vocab(self, values: mx.array, fill: float = -mx.inf) -> mx.array:
+        """Values over the draft vocabulary -> (..., V), ``fill`` for ids it never proposes
+        (-inf for scores, 0 for probabilities)."""
         rows = self.vocab_rows
         if rows is None:
-            return logits
-        full = mx.full((*logits.shape[:-1], self.args.vocab_size), -mx.inf, logits.dtype)
-        return mx.put_along_axis(full, mx.broadcast_to(rows, logits.shape), logits, axis=-1)
+            return values
+        full = mx.full((*values.shape[:-1], self.args.vocab_size), fill, values.dtype)
+        return mx.put_along_axis(full, mx.broadcast_to(rows, values.shape), values, axis=-1)
 
     def make_cache(self, window: tuple[int, int] | None = None) -> list:
         """Context caches, one per layer; ``window=(keep, recent)`` bounds the full-attention ones.
@@ -381,15 +382,21 @@ class Drafter(nn.Module):
         is unused here; DFlash2 conditions each pick on the one before.
         """
         logits = self(block_embeddings, context_hidden, cache, lm_head, strategy.ops)
-        tokens, q = strategy.propose(logits)
-        return tokens, q, self.confidence(logits)
+        return self.pick(logits, strategy.propose)
 
-    def confidence(self, logits: mx.array) -> mx.array:
-        """The softmax probability of each row's top score (``logits`` from ``__call__``): the
-        drafter's confidence in its own pick. Lazy: computed only where a copy proposal is weighed
-        against the pick. Over the draft vocabulary alone, where its scores are (the rest are
-        -inf): the exponentials over the whole vocabulary cost 5-7x more, 50 ms of a batch of
-        8 rows x 8 positions on this CPU."""
+    def pick(self, logits: mx.array, propose: Callable[[mx.array], tuple[mx.array, mx.array | None]]
+             ) -> tuple[mx.array, mx.array | None, mx.array]:
+        """``propose`` (a strategy's) over the draft vocabulary's columns of ``logits`` (from
+        ``__call__``): the picks as token ids, the distribution they were drawn from placed in the
+        vocabulary (None for a deterministic pick), and the softmax probability of each row's top
+        score, the drafter's confidence in its pick (lazy: read only where a copy is weighed
+        against it). The rest of the vocabulary scores -inf: a sampler's softmax, top-p sort and
+        draw over all V ids cost ~5x more (13 vs 2.6 ms for 7 rows at temperature 1, 28 vs 9 ms
+        with top-p, 49,152 ids vs 8,192 on this CPU), the confidence's exponentials likewise."""
         rows = self.vocab_rows
         scores = logits if rows is None else mx.take(logits, rows, axis=-1)
-        return mx.exp(scores.max(axis=-1) - mx.logsumexp(scores, axis=-1))
+        picks, q = propose(scores)
+        confidence = mx.exp(scores.max(axis=-1) - mx.logsumexp(scores, axis=-1))
+        if rows is not None:
+            picks, q = rows[picks], None if q is None else self.full_vocab(q, 0.0)
+        return picks, q, confidence

@@ -1,12 +1,14 @@
 """A draft vocabulary: the drafter scores a subset of token ids; output is unchanged."""
 
 import json
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import numpy as np
 import pytest
+from stats import ALPHA, chi_square_p_value
 from test_lossless import MAX_TOKENS, PROMPTS, dflash, reference
 from tiny import TARGETS, drafter_config, save_target
 
@@ -15,6 +17,8 @@ from dflash_mlx import DFlashModel, kernels
 from dflash_mlx.convert import convert
 from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter, save_drafter
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.kernels import rejection_accept_twin
+from dflash_mlx.sampling import Greedy, Rejection, SamplingParams, probabilities
 from dflash_mlx.target import Target
 
 
@@ -55,8 +59,37 @@ def test_drafter_proposes_only_its_vocabulary(tiny_pair):
     # The confidence, taken over the draft vocabulary alone, is the full softmax's top probability.
     flat = logits * 0.01  # a random drafter's picks are near-certain: flatten them, -inf stays
     top = mx.softmax(flat, axis=-1).max(axis=-1)
-    assert mx.allclose(drafter.confidence(flat), top, atol=1e-6).item()
+    tokens, _, confidence = drafter.pick(flat, Greedy(kernels.get_ops(False)).propose)
+    assert mx.allclose(confidence, top, atol=1e-6).item()
+    assert tokens.tolist() == flat.argmax(-1).tolist()
     assert (top < 0.9).all().item()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9)],
+                         ids=["temp", "top_p"])
+def test_sampled_picks_over_the_draft_vocabulary_are_exact(params):
+    """Sampled over the draft vocabulary's columns alone, a pick follows the distribution a
+    sampler over the whole vocabulary gives (the rest scores -inf), its q is that distribution,
+    and the acceptance rule with that q commits the target's distribution."""
+    vocab, n = TARGETS["qwen3"]["vocab_size"], 20000
+    rows = random_rows(vocab, vocab // 3, seed=2)
+    drafter = vocab_drafter("qwen3", rows)
+    scores = mx.random.normal((2, rows.size), key=mx.random.key(3)) * 2
+    logits = drafter.full_vocab(scores)  # what the drafter's forward returns
+    strategy = Rejection(params, kernels.get_ops(False))
+    expected_q = np.array(probabilities(logits, params))
+    tokens, q, _ = drafter.pick(mx.broadcast_to(logits, (n, *logits.shape)), partial(strategy.propose, key=mx.random.key(4)))
+    assert np.allclose(np.array(q[:3]), expected_q, atol=1e-6)
+    tokens = np.array(tokens)
+    assert np.isin(tokens, np.array(rows)).all()
+    assert chi_square_p_value(np.bincount(tokens[:, 0], minlength=vocab), expected_q[0]) > ALPHA
+    # The target agrees in part and puts mass where the drafter never proposes: the residual covers it.
+    noise = mx.random.normal((3, vocab), key=mx.random.key(5))
+    p = probabilities(mx.concatenate([drafter.full_vocab(scores, -1.0) + noise[:2], noise[2:]]), params)
+    uniforms = mx.random.uniform(shape=(n, 3), key=mx.random.key(6))
+    committed, accepted = mx.vmap(rejection_accept_twin, in_axes=(None, 0, 0, 0))(p, q, mx.array(tokens), uniforms)
+    assert chi_square_p_value(np.bincount(np.array(committed[:, 0]), minlength=vocab), np.array(p[0])) > ALPHA
+    assert 0.05 * n < (np.array(accepted) >= 1).sum() < 0.95 * n
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
