@@ -172,7 +172,7 @@ def _profile(model, prompt: list[int], args: argparse.Namespace, result: Dataset
 
     ops = kernels.get_ops()
     strategy = make_strategy(SamplingParams(args.temp, 1.0, 0, 0.0), None, ops)
-    block = make_policy(model) if args.block_size == "auto" else args.block_size or model.block_size
+    block = make_policy(model) if args.block_size == "auto" else args.block_size
     steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy, block_size=block,
                                max_tokens=args.max_tokens, profile=True, copy_proposals=args.copy_proposals)
     for i, step in enumerate(steps):
@@ -283,12 +283,12 @@ def run(args: argparse.Namespace) -> None:
 
     if args.num_prompts < 1 or args.max_tokens < 2:
         raise DFlashError("--num-prompts must be >= 1 and --max-tokens >= 2")
-    # The seed is reset before every generation, so sampled runs must be reproducible: see the flag.
-    args.block_size = default_block_size(args.block_size, args.temp, args.seed)
     resolve_pair(args)
     prompts = {d: load_dataset(d, args.num_prompts, args.gsm8k_path, args.mt_bench_path) for d in args.dataset}
     model, tokenizer = load(args.model, args.draft, pipeline=args.pipeline)
-    block = f"auto (up to {model.block_size})" if args.block_size == "auto" else args.block_size or model.block_size
+    # The seed is reset before every generation, so sampled runs must be reproducible: see the flag.
+    args.block_size = default_block_size(args.block_size, args.temp, args.seed, model.block_size)
+    block = f"auto (up to {model.block_size})" if args.block_size == "auto" else args.block_size
     header = (f"target {args.model}\ndrafter {args.draft}\nBLAS: {BLAS}; kernels: {kernels.get_ops().path}; "
               f"block size {block}; temp {args.temp}; max tokens {args.max_tokens}")
     print(header, flush=True)
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> None:
             print(f"{r['dataset']}: sharded ({r['sharding']}), DFlash communication {r['communication_ms_per_step']} ms/step")
     if args.output is not None:
         report = {"model": args.model, "draft": args.draft, "blas": BLAS, "kernels": kernels.get_ops().path,
-                  "block_size": args.block_size or model.block_size, "temp": args.temp,
+                  "block_size": args.block_size, "temp": args.temp,
                   "max_tokens": args.max_tokens, "seed": args.seed, "results": rows}
         args.output.write_text(json.dumps(report, indent=2) + "\n")
         print(f"results written to {args.output}")

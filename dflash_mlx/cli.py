@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
-        block_size=default_block_size(args.block_size, args.temp, args.seed),
+        block_size=default_block_size(args.block_size, args.temp, args.seed, model.block_size),
         stop_tokens=stop_tokens,
         draft_window=args.draft_window,
         copy_proposals=args.copy_proposals,

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from dflash_mlx.cli import main
+from dflash_mlx.flags import SEEDED_BLOCK_SIZE, default_block_size
 
 
 @pytest.mark.parametrize("block", ["4", "auto"])
@@ -29,6 +30,23 @@ def test_benchmark_tiny_pair(tiny_pair, tmp_path, capsys, block):
         assert report["block_size"] == "auto" and set(used) <= set(range(1, 17))
     else:  # only steps with fewer than 4 tokens left (at most 3 per prompt) are cut short
         assert max(used) == 4 and sum(used.values()) - used[4] <= 3 * 3
+
+
+def test_seeded_sampling_runs_a_fixed_block_of_at_most_four(tiny_pair, tmp_path, capsys):
+    assert default_block_size(None, 0.7, 0, 16) == SEEDED_BLOCK_SIZE == 4
+    assert default_block_size(None, 0.7, 0, 2) == 2  # never past the drafter's block
+    assert default_block_size(None, 0.0, 0, 16) == default_block_size(None, 0.7, None, 16) == "auto"
+    assert default_block_size(8, 0.7, 0, 16) == 8
+    target, draft = tiny_pair("qwen3")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello there"}) + "\n")
+    out = tmp_path / "result.json"
+    main(["benchmark", "--model", str(target), "--draft", str(draft), "--dataset", str(prompts), "--num-prompts", "1",
+          "--max-tokens", "24", "--temp", "1", "--seed", "0", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert report["block_size"] == 4
+    assert max(int(b) for b in report["results"][0]["block_sizes"]) == 4
+    assert "block size 4" in capsys.readouterr().out
 
 
 def test_benchmark_datasets_load():
