@@ -103,6 +103,22 @@ def metrics(port):
 
 def test_concurrent_clients_get_their_single_request_outputs(server, reference):
     port = server.server_address[1]
+    engine = server.app.worker.batch.engine
+    step, together = engine.step, START_AFTER.count(0.0)
+
+    deadline = time.monotonic() + 30
+
+    def first_step_waits_for_the_clients_that_start_together():
+        # On a loaded machine the first request can be well on its way before the others are
+        # parsed; waiting for them makes "decoded together" a property of the engine, not of timing.
+        # An empty step hands control back to the worker, which admits the requests queued meanwhile.
+        if len(engine.pending) + len(engine.rows) < together and time.monotonic() < deadline:
+            time.sleep(0.01)
+            return []
+        engine.step = step
+        return step()
+
+    engine.step = first_step_waits_for_the_clients_that_start_together
 
     def client(i):
         time.sleep(START_AFTER[i])
@@ -117,7 +133,7 @@ def test_concurrent_clients_get_their_single_request_outputs(server, reference):
     while (m := metrics(port))["requests_active"] and time.monotonic() < deadline:
         time.sleep(0.1)  # the rows of clients that hung up are freed
     assert m["batched"] == 1 and m["requests_active"] == 0 and m["requests_cancelled_total"] >= len(HANG_UP)
-    assert m["batch_rows_mean"] > 1.5, m  # requests really were decoded together
+    assert max(engine.stats.rows) >= together and m["batch_rows_mean"] > 1, m  # decoded together
     assert m["batch_ragged_steps_total"] > 0, m  # some step's rows accepted different counts
     assert m["drafted_tokens_total"] > 0
     # After all that, the next request is served as if alone.
