@@ -29,10 +29,10 @@ def prefill_chunks(target: Target, chunks: list[tuple[list, list[int]]], step_si
         for c in layer:
             stacked.extend(c)
         joint.append(stacked)
-    logits, hidden = target(rows, joint)
+    logits, hidden = target(rows, joint, logits_at=[n - 1 for n in lengths])
     target.cache_policy.forget()
     for c in joint:
         c.trim_rows([width - n for n in lengths])
     for r, (cache, _) in enumerate(chunks):
         cache[:] = [c.take(r, c.lengths[r]) for c in joint]
-    return [(logits[r : r + 1, n - 1], hidden[r : r + 1, :n]) for r, n in enumerate(lengths)]
+    return [(logits[r : r + 1, 0], hidden[r : r + 1, :n]) for r, n in enumerate(lengths)]

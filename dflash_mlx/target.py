@@ -40,13 +40,28 @@ class _Tap:
         return getattr(self.layer, name)
 
 
-def _find(model: nn.Module, name: str) -> Any:
-    """``name`` on the model or its text backbone (``model.model``, ``language_model.model``)."""
+class _AtColumns:
+    """Calls the final norm on one column per row only, so that the head scores just those."""
+
+    def __init__(self, norm: nn.Module, columns: list[int]):
+        self.norm, self.rows, self.columns = norm, mx.arange(len(columns)), mx.array(columns)
+
+    def __call__(self, h: mx.array) -> mx.array:
+        return self.norm(h[self.rows, self.columns][:, None])
+
+
+def _owner(model: nn.Module, name: str) -> nn.Module | None:
+    """The module holding ``name``: the model or its text backbone (``model.model``, ``language_model.model``)."""
     lm = getattr(model, "language_model", None)
     for owner in (model, getattr(model, "model", None), lm, getattr(lm, "model", None)):
         if owner is not None and name in owner:
-            return owner[name]
+            return owner
     return None
+
+
+def _find(model: nn.Module, name: str) -> Any:
+    owner = _owner(model, name)
+    return None if owner is None else owner[name]
 
 
 class Target:
@@ -61,7 +76,8 @@ class Target:
         layers = _find(model, "layers")
         self.layers = layers if isinstance(layers, list) else model.layers
         self.embed_tokens = _find(model, "embed_tokens")
-        self.final_norm = _find(model, "norm")
+        self._norm_owner = _owner(model, "norm")
+        self.final_norm = None if self._norm_owner is None else self._norm_owner["norm"]
         model_type = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
         if self.embed_tokens is None or not self.layers:
             raise DFlashError(
@@ -139,21 +155,40 @@ class Target:
             for i, layer in originals.items():
                 self.layers[i] = layer
 
-    def __call__(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
+    def __call__(
+        self, tokens: mx.array, cache: list, logits_at: list[int] | None = None
+    ) -> tuple[mx.array, mx.array]:
         """Logits (1, L, V) and captured hidden states (1, L, k*H) for ``tokens`` (1, L).
 
         ``rollback`` can then drop any tail of these L rows. Without a cache (a training
-        pass over whole sequences) there is nothing to roll back.
+        pass over whole sequences) there is nothing to roll back. ``logits_at`` (one
+        column per row) scores only those positions: logits (R, 1, V).
         """
         if cache is None:
-            return self._forward(tokens, cache)
+            return self._forward(tokens, cache, logits_at)
         with self.cache_policy.undoable(cache, tokens.shape[1]):
-            return self._forward(tokens, cache)
+            return self._forward(tokens, cache, logits_at)
 
-    def _forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
-        with self._tapped() as sinks:
+    def _forward(self, tokens: mx.array, cache: list, logits_at: list[int] | None = None) -> tuple[mx.array, mx.array]:
+        with self._tapped() as sinks, self._scoring(logits_at):
             logits = self.model(tokens, cache=cache)
+        if logits_at is not None and self._norm_owner is None:
+            logits = logits[mx.arange(len(logits_at)), mx.array(logits_at)][:, None]
         return logits, self._hidden({i: sink[0] for i, sink in sinks.items()}, tokens, cache)
+
+    @contextmanager
+    def _scoring(self, columns: list[int] | None) -> Iterator[None]:
+        # The head is the largest matmul of a prefill (49,152 x 576 per position for SmolLM2):
+        # batched prompts need one position per row scored, not every padded position.
+        if columns is None or self._norm_owner is None:
+            yield
+            return
+        norm = self._norm_owner["norm"]
+        self._norm_owner.norm = _AtColumns(norm, columns)
+        try:
+            yield
+        finally:
+            self._norm_owner.norm = norm
 
     def _hidden(self, taps: dict[int, mx.array], tokens: mx.array, cache: list) -> mx.array:
         """The drafter's input from this forward's taps; a sharded target gathers them here."""

@@ -193,6 +193,21 @@ def test_greedy_matches_mlx_lm(family, block_size, drafter_kind):
             assert max(accepted) >= min(block_size - 1, 5)
 
 
+def test_logits_at_scores_one_column_per_row(family):
+    """Scoring only chosen positions (the batch prefill's last prompt tokens) gives those logits:
+    the final norm is cut to the columns before the head, softcapping and scaling included."""
+    name, model, target, _, _ = family
+    tokens = mx.array([PROMPT[:12], PROMPT[4:16]])
+    full, hidden = target(tokens, None)
+    columns = [11, 6]
+    picked, hidden_picked = target(tokens, None, logits_at=columns)
+    assert picked.shape == (2, 1, V), name
+    for row, column in enumerate(columns):
+        assert mx.allclose(picked[row, 0], full[row, column], rtol=1e-5, atol=1e-5).item(), name
+    assert mx.array_equal(hidden, hidden_picked).item()
+    assert target.final_norm is target._norm_owner["norm"]  # the model is left as it was
+
+
 def test_plain_steps_run_ahead_exactly(family):
     # Plain runs whose next anchor's forward starts before the host reads it, then drafted blocks
     # verified after an anchor that already ran: rollback reaches only into the proposals' forward.
