@@ -6,10 +6,10 @@ plus its own next token (no clamping to the batch's shortest), and the caches
 drop each row's own rejected tail (``RaggedKVCache``, ``Target.rollback_rows``).
 
 Requests join and leave between steps. Joining prompts are prefilled together
-(``batch_prefill``), at most ``prefill_step_size`` tokens per step (the drafter
-absorbs each chunk's hidden states as it goes), and each one's one-row caches are
-appended to the batch when it is done, so running rows wait for at most one
-chunk per step.
+(``batch_prefill``, ``prefill_step_size`` tokens per forward; the drafter absorbs
+each chunk's hidden states as it goes), and each one's one-row caches are appended
+to the batch when it is done. While rows decode, a step prefills one chunk, so they
+wait for at most that; an idle engine prefills all that fits before it decodes.
 
 When a plain step (block 1) is expected next and nobody waits to join, a plain step starts the
 next one's forward before the host reads its tokens, as mlx_lm's batch generator does; a request
@@ -32,6 +32,7 @@ A server worker drives it as a scheduler loop::
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -158,8 +159,7 @@ class BatchEngine:
         self.fallbacks = set(self.ops.fallbacks)
         if self.ops.path != "mlx":
             self.fallbacks.add("block_attention: batched rows use mx.fast.scaled_dot_product_attention")
-        self.head = self.target.head(self.drafter.vocab_rows)
-        self.mask_id = self.drafter.args.mask_token_id
+        self.head, self.mask_id = self.target.head(self.drafter.vocab_rows), self.drafter.args.mask_token_id
         self.rows: list[_Request] = []  # in batch order
         self.pending: deque[_Request] = deque()
         self.cache: list | None = None
@@ -267,15 +267,15 @@ class BatchEngine:
     # -- joining --------------------------------------------------------------
 
     def _prefill(self, events: list[TokenEvent]) -> None:
-        budget = self.prefill_step_size
+        budget = self.prefill_step_size if self.rows else math.inf
         while self.pending and budget > 0 and len(self.rows) < self.max_rows and self.ahead is None:
             tic = time.perf_counter()
-            chunks = []  # the requests that fit in the free rows share one forward
+            chunks, room = [], min(budget, self.prefill_step_size)  # free rows' requests share a forward
             for request in itertools.islice(self.pending, self.max_rows - len(self.rows)):
-                chunk = request.prompt[request.prefilled : request.prefilled + budget]
-                request.prefilled, budget = request.prefilled + len(chunk), budget - len(chunk)
+                chunk = request.prompt[request.prefilled : request.prefilled + room]
+                request.prefilled, room, budget = request.prefilled + len(chunk), room - len(chunk), budget - len(chunk)
                 chunks.append((request, chunk))
-                if not budget:
+                if not room:
                     break
             outputs = prefill_chunks(self.target, [(r.cache, chunk) for r, chunk in chunks], self.prefill_step_size)
             for (request, chunk), (logits, hidden) in zip(chunks, outputs):

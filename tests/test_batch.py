@@ -221,6 +221,24 @@ def test_ragged_drafter_rows_equal_single_rows(tiny_pair, causal):
     assert caches[0].lengths == [10, 7, 8]
 
 
+def test_prefill_budget_holds_only_while_rows_decode(family):
+    """An idle engine prefills every request that fits in one step (nothing waits on it); a
+    request joining running rows gets at most prefill_step_size prompt tokens per step."""
+    model, _, prompts, refs = family
+    engine, oracle = oracle_engine(model, block_size=4, prefill_step_size=4)
+    first, then = (0, 1, 4), 2  # prompts of 5, 44 and 37 tokens; then one of 63
+    uids = [add(engine, oracle, prompts[i], refs[i], 3, MAX_TOKENS[i]) for i in first]
+    events = {}
+    step(engine, events)
+    assert engine.uids == uids and not engine.pending
+    late = add(engine, oracle, prompts[then], refs[then], 3, MAX_TOKENS[then])
+    step(engine, events)
+    assert engine.pending and engine.cached_tokens(late) == 4 < len(prompts[then])
+    collect(engine, events)
+    for uid, i in zip(uids + [late], first + (then,)):
+        assert [e.token for e in events[uid]] == refs[i]
+
+
 @pytest.mark.parametrize("name", ["qwen3_5", "gemma3_text"])
 def test_hybrid_and_sliding_window_targets_are_batched(name):
     """Gated DeltaNet rows replay their own accepted steps; sliding-window rows mask by position."""
