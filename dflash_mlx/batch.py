@@ -5,11 +5,10 @@ forward verifies all the blocks; each row then commits its own accepted prefix
 plus its own next token (no clamping to the batch's shortest), and the caches
 drop each row's own rejected tail (``RaggedKVCache``, ``Target.rollback_rows``).
 
-Requests join and leave between steps. Joining prompts are prefilled together
-(``batch_prefill``, ``prefill_step_size`` tokens per forward; the drafter absorbs
-each chunk's hidden states as it goes), and each one's one-row caches are appended
-to the batch when it is done. While rows decode, a step prefills one chunk, so they
-wait for at most that; an idle engine prefills all that fits before it decodes.
+Requests join and leave between steps. Joining prompts are prefilled together (``batch_prefill``,
+``prefill_step_size`` tokens per forward; the drafter absorbs each chunk's hidden states as it
+goes), and each one's one-row caches join the batch when it is done. While rows decode, a step
+prefills one chunk, so they wait for at most that; an idle engine prefills all that fits first.
 
 When a plain step (block 1) is expected next and nobody waits to join, a plain step starts the
 next one's forward before the host reads its tokens, as mlx_lm's batch generator does; a request
@@ -273,10 +272,11 @@ class BatchEngine:
             chunks, room = [], min(budget, self.prefill_step_size)  # free rows' requests share a forward
             for request in itertools.islice(self.pending, self.max_rows - len(self.rows)):
                 chunk = request.prompt[request.prefilled : request.prefilled + room]
-                request.prefilled, room, budget = request.prefilled + len(chunk), room - len(chunk), budget - len(chunk)
+                request.prefilled, room = request.prefilled + len(chunk), room - len(chunk)
                 chunks.append((request, chunk))
                 if not room:
                     break
+            budget -= sum(len(chunk) for _, chunk in chunks)
             outputs = prefill_chunks(self.target, [(r.cache, chunk) for r, chunk in chunks], self.prefill_step_size)
             for (request, chunk), (logits, hidden) in zip(chunks, outputs):
                 # The drafter takes the chunk as context now, under a throw-away one-token block.

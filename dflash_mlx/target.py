@@ -77,7 +77,6 @@ class Target:
         self.layers = layers if isinstance(layers, list) else model.layers
         self.embed_tokens = _find(model, "embed_tokens")
         self._norm_owner = _owner(model, "norm")
-        self.final_norm = None if self._norm_owner is None else self._norm_owner["norm"]
         model_type = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
         if self.embed_tokens is None or not self.layers:
             raise DFlashError(
@@ -95,6 +94,10 @@ class Target:
         head = getattr(model, "lm_head", None)
         self.lm_head = head if head is not None else self.embed_tokens.as_linear
         self._head_module = head if head is not None else self.embed_tokens
+
+    @property
+    def final_norm(self) -> nn.Module | None:
+        return None if self._norm_owner is None else self._norm_owner["norm"]
 
     @property
     def vocab_size(self) -> int:
@@ -183,7 +186,7 @@ class Target:
         if columns is None or self._norm_owner is None:
             yield
             return
-        norm = self._norm_owner["norm"]
+        norm = self.final_norm
         self._norm_owner.norm = _AtColumns(norm, columns)
         try:
             yield
