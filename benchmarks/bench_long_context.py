@@ -33,7 +33,8 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from dflash_mlx import DFlashModel, stream_generate  # noqa: E402
-from dflash_mlx.adaptive import cost_curve, make_policy  # noqa: E402
+from dflash_mlx.adaptive import make_policy  # noqa: E402
+from dflash_mlx.step_costs import cost_curve  # noqa: E402
 from dflash_mlx.drafter import Drafter  # noqa: E402
 
 TEXT = (

@@ -18,7 +18,8 @@ import argparse
 from side_by_side import report
 
 import dflash_mlx  # before mlx: it loads OpenBLAS
-from dflash_mlx.adaptive import AdaptiveBlockSize, _fastest, cost_curve
+from dflash_mlx.adaptive import AdaptiveBlockSize, _fastest
+from dflash_mlx.step_costs import cost_curve
 from dflash_mlx.default import default_pair
 
 

@@ -6,7 +6,7 @@ expectation, where ``a_i`` is the chance the i-th proposal of a source is accept
 ones before it were (``RunRates``: EMAs of what the target accepted). ``FixedBlockSize`` keeps
 ``B`` and only chooses the source; ``AdaptiveBlockSize`` also chooses ``B`` to maximise expected
 tokens per second, from what a step costs on this machine: ``draft(B) + verify(B)`` seconds, or
-``verify(B)`` alone for a copy-only step (measured once per loaded pair by ``calibrate``;
+``verify(B)`` alone for a copy-only step (``step_costs``: measured once per loaded pair,
 optionally rescaled by the step times actually seen). When nothing beats plain decoding
 (``B = 1``: one target row, no proposals) it decodes plainly, and probes a speculative block now
 and then so it notices when the text becomes predictable again.
@@ -19,142 +19,17 @@ machine, model and dtype.
 from __future__ import annotations
 
 import math
-import time
-import weakref
-from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Protocol
 
-import mlx.core as mx
-
-from . import kernels
 from .copying import Copy, common_run
 from .model import DFlashModel
-from .ragged import RaggedKVCache
-from .sampling import Greedy
+from .step_costs import COPY_BLOCK_SIZE, CostCurve, Drift, cost_curve
 
-# 12 as well as the powers of two: with OpenBLAS on this 2-core x86 CPU a 16-row forward
-# costs what 8 rows do and less than 12 (its kernels seem to take rows 16 at a time): 9..15 do
-# not lie between 8 and 16.
-CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
-# Largest block of a copy-only step: no drafter bounds it, and long copies are the ones that pay.
-COPY_BLOCK_SIZE = 16
 # Copy runs are told apart by how much context they matched: (shortest match, ...) of each class.
 COPY_MATCH_CLASSES = (2, 4, 8)
 # Longest run of plain steps between two probes of a drafter that keeps missing.
 MAX_PROBE_EVERY = 128
-
-
-@dataclass(frozen=True)
-class CostCurve:
-    """Seconds per decode step on this machine: target verify and drafter forward of B rows."""
-
-    verify: dict[int, float]
-    draft: dict[int, float]
-
-    def step_seconds(self, block_size: int, draft: bool = True) -> float:
-        """Cost of one step; a block of 1 is plain decoding and runs no draft, nor does a copy-only step."""
-        cost = interpolate(self.verify, block_size)
-        return cost + interpolate(self.draft, block_size) if draft and block_size > 1 else cost
-
-    def relative(self) -> dict[int, float]:
-        """Step cost of each measured block size relative to plain decoding."""
-        base = self.step_seconds(1)
-        return {b: self.step_seconds(b) / base for b in sorted(self.verify)}
-
-
-def interpolate(points: dict[int, float], x: float) -> float:
-    """Piecewise-linear through ``points``, extended linearly past both ends."""
-    xs = sorted(points)
-    i = min(max(bisect_left(xs, x), 1), len(xs) - 1) if len(xs) > 1 else 0
-    if len(xs) == 1 or x == xs[i]:
-        return points[xs[i]]
-    x0, x1 = xs[i - 1], xs[i]
-    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
-
-
-def _seconds(fn) -> float:
-    tic = time.perf_counter()
-    fn()
-    return time.perf_counter() - tic
-
-
-def calibrate(
-    model: DFlashModel,
-    max_block_size: int | None = None,
-    context: int = 128,
-    repeats: int = 5,
-    use_metal: bool | None = None,
-    rows: int = 1,
-) -> CostCurve:
-    """Time target verify and drafter forward for a few block sizes after ``context`` tokens.
-
-    Uses throw-away caches; the model is left as it was. Sizes are timed in
-    interleaved rounds and the fastest round kept: on a shared machine noise only
-    ever adds time, and interleaving spreads a busy spell over all sizes. Sizes in
-    between are interpolated.
-    ``rows > 1`` times a batch of that many rows with the batch engine's caches.
-    """
-    target, drafter = model.target, model.drafter
-    ops = kernels.get_ops(use_metal)
-    max_block_size = max_block_size or model.block_size
-    # Verify sizes up to COPY_BLOCK_SIZE: copy-only steps may verify more rows than the drafter
-    # drafts (the batch engine has none).
-    largest = max(max_block_size, COPY_BLOCK_SIZE) if rows == 1 else max_block_size
-    sizes = sorted({b for b in CALIBRATION_SIZES if b < largest} | {1, max_block_size, largest})
-    # Deterministic tokens: calibration must not consume the caller's random stream.
-    tokens = mx.arange(context + max(sizes), dtype=mx.int32) % target.vocab_size
-    if rows == 1:
-        cache, draft_cache = target.make_cache(), drafter.make_cache()
-        _, hidden = target.prefill(tokens[:context], cache)
-    else:
-        tokens = mx.broadcast_to(tokens, (rows, tokens.size))
-        cache, draft_cache = target.make_batch_cache(rows), [RaggedKVCache(rows) for _ in drafter.layers]
-        _, hidden = target(tokens[:, :context], cache)
-        target.cache_policy.forget()
-    tokens = tokens.reshape(rows, -1)
-    mx.eval(hidden)
-    head = target.head(drafter.vocab_rows)
-    greedy = Greedy(ops)
-    # The drafter's context as in steady state: the prompt absorbed, a few new rows per step.
-    drafter(target.embed(tokens[:, :2]), hidden[:, :-2], draft_cache, head, ops)
-    def run_verify(B: int) -> None:
-        logits, h = target(tokens[:, context : context + B], cache)
-        mx.eval(logits, h)
-        target.rollback(cache, B)
-
-    def run_draft(B: int) -> None:
-        block = target.embed(tokens[:, context : context + B])
-        proposals, _, _ = drafter.propose(block, tokens[:, context], hidden[:, -2:], draft_cache, head, greedy)
-        mx.eval(proposals)
-        for c in draft_cache:
-            c.trim(2)
-
-    verify = {B: float("inf") for B in sizes}
-    draft = {B: float("inf") for B in sizes if 1 < B <= max_block_size}
-    for i in range(repeats + 1):
-        warm_up = i == 0  # first calls pay for allocation and graph setup
-        for B in sizes:
-            t = _seconds(lambda: run_verify(B))
-            verify[B] = verify[B] if warm_up else min(verify[B], t)
-            if B in draft:
-                t = _seconds(lambda: run_draft(B))
-                draft[B] = draft[B] if warm_up else min(draft[B], t)
-    draft[1] = 0.0
-    # Not forced to grow with B: more rows can cost less (see CALIBRATION_SIZES), and then the
-    # policy should take the larger block, which also holds more proposals.
-    return CostCurve(verify, draft)
-
-
-# One calibration per loaded pair, for as long as the pair lives.
-_curves: "weakref.WeakKeyDictionary[DFlashModel, CostCurve]" = weakref.WeakKeyDictionary()
-
-
-def cost_curve(model: DFlashModel, use_metal: bool | None = None) -> CostCurve:
-    """The pair's cost curve, calibrated on its first adaptive use and remembered after."""
-    if model not in _curves:
-        _curves[model] = calibrate(model, use_metal=use_metal)
-    return _curves[model]
 
 
 class RunRates:
@@ -328,11 +203,10 @@ class AdaptiveBlockSize:
     drafted maximum if larger).
 
     timed: let observed step times rescale the calibrated cost of each block
-    size used (``drift``), so choices follow what this generation really costs,
+    size used (``Drift``), so choices follow what this generation really costs,
     e.g. at a context length the calibration never saw (on MLX CPU, verifying
     8+ rows at a 4k context costs far more than the short-context curve says).
-    A size never used borrows the rescaling of the nearest size used (the
-    per-step overhead the calibration misses applies to all). Off by default:
+    Off by default:
     block sizes then depend on timing, and with them the random draws, so
     seeded sampling would stop being reproducible (greedy output is the same
     whatever the block sizes); and on a busy machine the timings are noisy
@@ -355,19 +229,16 @@ class AdaptiveBlockSize:
         self.copy_block_size = copy_block_size or max(max_block_size, COPY_BLOCK_SIZE)
         longest = max(max_block_size, self.copy_block_size) - 1
         self.acceptance = Acceptance(max(max_block_size - 1, 1), max(longest, 1), prior, decay, optimism)
-        self.decay, self.probes = decay, ProbeSchedule(probe_every)
-        self.timed = timed
-        self.drift: dict[int, float] = {}  # block size -> observed / calibrated seconds
+        self.probes = ProbeSchedule(probe_every)
+        self.drift = Drift(decay) if timed else None
 
     def expected_tokens(self, block_size: int, optimistic: bool = False) -> float:
         """Expected tokens of a drafted step (the anchor's bonus token included)."""
         return 1.0 + self.acceptance.drafter.expected(block_size - 1, optimistic)
 
     def step_seconds(self, block_size: int, draft: bool = True) -> float:
-        if not self.drift:
-            return self.curve.step_seconds(block_size, draft)
-        nearest = min(self.drift, key=lambda b: (abs(b - block_size), b))
-        return self.curve.step_seconds(block_size, draft) * self.drift[nearest]
+        seconds = self.curve.step_seconds(block_size, draft)
+        return seconds * self.drift.scale(block_size) if self.drift is not None else seconds
 
     def tokens_per_second(self, block_size: int, optimistic: bool = False) -> float:
         return self.expected_tokens(block_size, optimistic) / self.step_seconds(block_size)
@@ -420,17 +291,8 @@ class AdaptiveBlockSize:
         self._time(Plan(block_size, block_size > 1, False), seconds)
 
     def _time(self, plan: Plan, seconds: float | None) -> None:
-        if not self.timed or seconds is None:
-            return
-        B = plan.block_size
-        ratio = seconds / self.curve.step_seconds(B, plan.draft)
-        if B not in self.drift:
-            self.drift[B] = ratio
-        else:
-            # Clipped: one slow step (the drafter absorbing a whole prompt, a
-            # busy spell) must not rule a block size out for long.
-            d = self.drift[B]
-            self.drift[B] = self.decay * d + (1 - self.decay) * min(ratio, 2 * d)
+        if self.drift is not None and seconds is not None:
+            self.drift.observe(plan.block_size, seconds / self.curve.step_seconds(plan.block_size, plan.draft))
 
 
 def make_policy(

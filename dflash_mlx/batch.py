@@ -46,7 +46,7 @@ from .adaptive import AdaptiveBlockSize
 from .batch_adaptive import BatchBlockSize, make_batch_policy
 from .batch_cache import PromptCache
 from .batch_prefill import prefill_chunks
-from .batch_copies import RowCopies
+from .batch_copies import RowCopies, propose_rows
 from .copying import corpus_tokens
 from .decode import LogitsProcessor, Step, apply_processors
 from .drafter import Drafter
@@ -257,9 +257,7 @@ class BatchEngine:
         events: list[TokenEvent] = []
         self._prefill(events)
         if self.rows:
-            tic = time.perf_counter()
             self._decode(events)
-            self.stats.decode_time += time.perf_counter() - tic
         self.stats.generation_tokens += len(events)
         return events
 
@@ -327,8 +325,7 @@ class BatchEngine:
     # -- one draft-verify step ---------------------------------------------
 
     def _decode(self, events: list[TokenEvent]) -> None:
-        rows = self.rows
-        R = len(rows)
+        tic, rows, R = time.perf_counter(), self.rows, len(self.rows)
         # Not shortened near a row's max_tokens (the extra tokens are dropped): a
         # seeded row's random draws must not depend on its neighbours' progress.
         B = self.policy.next_block_size([r.tracker for r in rows]) if self.policy else self.block_size
@@ -337,13 +334,7 @@ class BatchEngine:
         drafted, from_copy = None, [None] * R
         if B > 1:
             drafted, qs, confidence = self._draft(anchors, B)
-            proposals = []
-            for i, r in enumerate(rows):
-                p = drafted[i]
-                if r.copies:
-                    p, qs[i], from_copy[i] = r.copies.propose(p, confidence[i], qs[i], r.strategy.deterministic)
-                proposals.append(p)
-            proposals = mx.stack(proposals)
+            proposals, qs, from_copy = propose_rows(rows, drafted, qs, confidence)
         else:
             proposals, qs = mx.zeros((R, 0), mx.int32), [mx.zeros((0, self.target.vocab_size))] * R
         block = mx.concatenate([anchors, proposals], axis=1)
@@ -363,10 +354,13 @@ class BatchEngine:
             tokens, n = r.strategy.verify(row_logits, proposals[i], qs[i], r.subkey())
             results.append((tokens, n, token_logprobs(row_logits, tokens) if r.logprobs else None))
         tokens, accepted, logprobs = zip(*results)
+        outputs = (tokens, accepted, [x for x in (*logprobs, drafted, *from_copy) if x is not None])
         if B == 1 and not (self.pending and len(rows) < self.max_rows) and self._expects_plain():
+            # Evaluated apart: one evaluation of both would hold the host until the next forward is done.
+            mx.async_eval(outputs)
             self.ahead = self.target(mx.stack([t[:1] for t in tokens]), self.cache)
             mx.async_eval(self.ahead)
-        mx.eval(tokens, accepted, [x for x in (*logprobs, drafted, *from_copy) if x is not None])
+        mx.eval(outputs)
         accepted = mx.stack(accepted).tolist()
         drafted = drafted.tolist() if drafted is not None else None
         if B > 1:  # a plain step rejects nothing (and may have run ahead since)
@@ -395,6 +389,9 @@ class BatchEngine:
             else:
                 self.prompt_cache.save(r.tokens, self.cache, self.draft_cache, i)
         self._keep(keep)
+        self.stats.decode_time += (seconds := time.perf_counter() - tic)
+        if self.policy:
+            self.policy.observe(R, B, seconds, self.ahead is not None)
 
     def _expects_plain(self) -> bool:
         if any(r.block_cap == 1 for r in self.rows):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-from .adaptive import AdaptiveBlockSize, CostCurve, ProbeSchedule, calibrate, interpolate
+from .adaptive import AdaptiveBlockSize, ProbeSchedule
+from .step_costs import CostCurve, Drift, calibrate, interpolate
 from .model import DFlashModel
 
 CALIBRATION_ROWS = (1, 2, 4, 8)
@@ -37,7 +38,7 @@ def calibrate_rows(
     repeats: int = 2,
     use_metal: bool | None = None,
 ) -> RowCostCurve:
-    """``adaptive.calibrate`` at each row count in ``rows``."""
+    """``step_costs.calibrate`` at each row count in ``rows``."""
     curves = {r: calibrate(model, max_block_size, repeats=repeats, use_metal=use_metal, rows=r) for r in sorted(rows)}
     # More rows never cost less: a count that timed faster than a smaller one was noise.
     for small, large in zip(sorted(rows), sorted(rows)[1:]):
@@ -58,6 +59,14 @@ def row_cost_curve(model: DFlashModel, use_metal: bool | None = None) -> RowCost
     return _curves[model]
 
 
+@dataclass
+class _Run:
+    block_size: int
+    seconds: float = 0.0
+    calibrated: float = 0.0
+    steady: bool = True
+
+
 class BatchBlockSize:
     """The block size of each batch step: the B with the most optimistic expected tokens per
     second summed over the running rows (``next_block_size(trackers)``, one ``AdaptiveBlockSize``
@@ -66,11 +75,22 @@ class BatchBlockSize:
     start cannot rule speculation out for good. Unlike one row's, the wait does not back off: in
     a batch, copies are proposed only on drafted steps, and with the backoff 4 MT-Bench clients
     measured 0.80x of mlx_lm's BatchGenerator against 0.97x without it (bench_batch.py).
+
+    timed: the engine's measured step times rescale the calibrated cost of each block size
+    (``Drift``, as in ``AdaptiveBlockSize``). The calibration's few rounds of 8 rows are
+    noisy: one that timed plain steps 15% slow had 8 MT-Bench rows draft blocks of 2 at
+    0.85x of mlx_lm where plain steps ran at 0.99x; and the rows' own per-step work (picks,
+    copies, rollback) is not in it. Block sizes then depend on timing, as they already do on
+    the calibration and on the neighbours' acceptance.
     """
 
-    def __init__(self, curve: RowCostCurve, max_block_size: int, probe_every: int = 16, **row_kwargs):
+    def __init__(self, curve: RowCostCurve, max_block_size: int, probe_every: int = 16, timed: bool = False,
+                 **row_kwargs):
         self.row_curve, self.max_block_size = curve, max_block_size
         self.probes = ProbeSchedule(probe_every, longest=probe_every)
+        self.drift = Drift(row_kwargs.get("decay", 0.8)) if timed else None
+        self.run: _Run | None = None  # the steps timed together so far (``observe``)
+        self.rows = 0  # rows of the last step observed
         self.row_kwargs = row_kwargs
 
     def track(self) -> AdaptiveBlockSize:
@@ -78,9 +98,36 @@ class BatchBlockSize:
         return AdaptiveBlockSize(self.row_curve.curves[min(self.row_curve.curves)], self.max_block_size,
                                  **self.row_kwargs)
 
+    def step_seconds(self, rows: int, block_size: int) -> float:
+        seconds = self.row_curve.step_seconds(rows, block_size)
+        return seconds * self.drift.scale(block_size) if self.drift is not None else seconds
+
+    def observe(self, rows: int, block_size: int, seconds: float, ahead: bool = False) -> None:
+        """A step of ``rows`` rows and ``block_size`` took ``seconds``; ``ahead``: it started the
+        next step's forward early (used when timed).
+
+        A step that starts the next forward waits for it too (one MLX evaluation holds both), and
+        the step after it waits for almost nothing: such a run of plain steps is timed as a whole
+        (the run's first block size stands for it). A run in which the rows changed is not timed:
+        its first step also joined or filtered caches.
+        """
+        if self.drift is None:
+            return
+        if self.run is None:
+            self.run = _Run(block_size)
+        run = self.run
+        run.seconds += seconds
+        run.calibrated += self.row_curve.step_seconds(rows, block_size)
+        run.steady &= rows == self.rows
+        self.rows = rows
+        if not ahead:
+            self.run = None
+            if run.steady:
+                self.drift.observe(run.block_size, run.seconds / run.calibrated)
+
     def tokens_per_second(self, trackers: list[AdaptiveBlockSize], block_size: int) -> float:
         expected = sum(t.expected_tokens(block_size, True) for t in trackers)
-        return expected / self.row_curve.step_seconds(len(trackers), block_size)
+        return expected / self.step_seconds(len(trackers), block_size)
 
     def best(self, trackers: list[AdaptiveBlockSize], smallest: int = 1) -> int:
         return max(range(smallest, self.max_block_size + 1), key=lambda b: self.tokens_per_second(trackers, b))
@@ -101,5 +148,6 @@ class BatchBlockSize:
 def make_batch_policy(
     model: DFlashModel, max_block_size: int | None = None, use_metal: bool | None = None, **kwargs
 ) -> BatchBlockSize:
-    """A batch block-size policy for one engine; calibrates the pair on first use."""
+    """A timed batch block-size policy for one engine; calibrates the pair on first use."""
+    kwargs.setdefault("timed", True)
     return BatchBlockSize(row_cost_curve(model, use_metal), max_block_size or model.block_size, **kwargs)

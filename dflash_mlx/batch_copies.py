@@ -50,3 +50,17 @@ class RowCopies:
         """What the drafter and the copy proposed this step against what the row committed."""
         self.acceptance.record(drafted, self.copy, committed)
         self.copy = None
+
+
+def propose_rows(
+    rows: list, drafted: mx.array, qs: list[mx.array | None], confidence: mx.array
+) -> tuple[mx.array, list[mx.array | None], list[mx.array | None]]:
+    """Every row's block: its draft, or with copy proposals on (``row.copies``) the likelier of
+    draft and copy (``RowCopies.propose``); with the q to verify each by and its copied positions."""
+    proposals, qs, from_copy = [], list(qs), [None] * len(rows)
+    for i, row in enumerate(rows):
+        p = drafted[i]
+        if row.copies:
+            p, qs[i], from_copy[i] = row.copies.propose(p, confidence[i], qs[i], row.strategy.deterministic)
+        proposals.append(p)
+    return mx.stack(proposals), qs, from_copy

@@ -153,7 +153,7 @@ class Worker(threading.Thread):
                 job.events.put(End(self.error or SHUTTING_DOWN, 503))
 
     def _load(self) -> None:
-        from .adaptive import cost_curve
+        from .step_costs import cost_curve
         from .model import load
 
         # Under mlx.launch only rank 0 returns (and serves); the other ranks follow it inside load.

@@ -7,7 +7,8 @@ from tiny import OracleDrafter, ScriptedPolicy
 
 import dflash_mlx
 from dflash_mlx import DFlashModel, stream_generate
-from dflash_mlx.adaptive import AdaptiveBlockSize, CostCurve, calibrate, cost_curve, make_policy
+from dflash_mlx.adaptive import AdaptiveBlockSize, make_policy
+from dflash_mlx.step_costs import CostCurve, calibrate, cost_curve
 from dflash_mlx.decode import DecodeCache, speculative_decode
 from dflash_mlx.kernels import get_ops
 from dflash_mlx.sampling import SamplingParams, make_strategy
@@ -87,7 +88,7 @@ def test_acceptance_that_dies_after_a_few_positions_gives_a_small_block():
 def test_observed_step_times_override_the_calibration():
     policy = AdaptiveBlockSize(FLAT, 16, timed=True)
     policy.observe(1, 0, seconds=FLAT.step_seconds(1))
-    for _ in range(40):  # untried sizes borrow the nearest tried size's timing, so each gets one try
+    for _ in range(40):  # an untried size counts as calibrated (no dearer), so each gets one try
         B = policy.next_block_size()
         # Speculation costs 8x what was calibrated (e.g. a long context), plain decoding as measured.
         policy.observe(B, min(B - 1, 2), seconds=FLAT.step_seconds(B) * (8 if B > 1 else 1))

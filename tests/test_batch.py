@@ -21,7 +21,7 @@ from tiny import EOS_ID, MASK_ID, RowOracleDrafter
 
 import dflash_mlx
 from dflash_mlx import DFlashModel, batch_generate, stream_generate
-from dflash_mlx.adaptive import CostCurve
+from dflash_mlx.step_costs import CostCurve
 from dflash_mlx.batch import BatchEngine
 from dflash_mlx.batch_adaptive import BatchBlockSize, RowCostCurve, calibrate_rows
 from dflash_mlx.batch_prefill import prefill_chunks
@@ -457,6 +457,32 @@ def test_batch_policy_probes_a_drafter_that_keeps_missing_at_a_steady_rate():
     observe(0.0, steps=80)
     sizes = [policy.next_block_size(trackers) for _ in range(8)]
     assert sizes.count(1) == 7 and sizes[-1] > 1
+
+
+def test_timed_batch_policy_follows_observed_step_times(family):
+    """A calibration that has 8 rows' blocks of 2 cheap: once they are seen at 1.35x its figure,
+    plain steps (untried, so taken as calibrated) win; a run of plain steps that started each
+    next forward early is timed as a whole; a step after rows joined or left is not timed."""
+    curve = RowCostCurve({1: CostCurve(verify={1: 1.0, 2: 1.05}, draft={1: 0.0, 2: 0.05}),
+                          8: CostCurve(verify={1: 1.0, 2: 1.05}, draft={1: 0.0, 2: 0.05})})
+    policy = BatchBlockSize(curve, 2, timed=True, prior=0.25, optimism=0.0)
+    trackers = [policy.track() for _ in range(8)]
+    assert policy.best(trackers) == 2  # 1.25 tokens per row for 1.1 s against 1 for 1.0 s
+    policy.observe(8, 2, 9.0)  # the first step after the rows joined: not timed
+    assert policy.drift.ratios == {}
+    policy.observe(8, 2, 1.1 * 1.35)
+    assert policy.drift.ratios[2] == pytest.approx(1.35) and policy.best(trackers) == 1
+    for seconds, ahead in [(2.0, True), (1.0, True), (0.0, False)]:  # each waits for the next forward
+        policy.observe(8, 1, seconds, ahead)
+    assert policy.drift.ratios[1] == pytest.approx(1.0)
+    policy.observe(7, 1, 5.0)  # a row left: its cache was filtered in this step
+    assert policy.drift.ratios[1] == pytest.approx(1.0)
+    model, _, prompts, refs = family  # and in the engine, greedy rows stay exact
+    engine, oracle = oracle_engine(model, block_size=BatchBlockSize(curve, 8, timed=True))
+    uids = [add(engine, oracle, p, r, w, n) for p, r, w, n in zip(prompts, refs, WRONG_EVERY, MAX_TOKENS)]
+    events = collect(engine)
+    assert [[e.token for e in events[u]] for u in uids] == refs
+    assert engine.policy.drift.ratios
 
 
 def test_calibrated_batch_cost_grows_with_rows(tiny_pair):

@@ -16,7 +16,8 @@ from tiny import EOS_ID, OracleDrafter
 
 import dflash_mlx
 from dflash_mlx import DFlashModel, stream_generate
-from dflash_mlx.adaptive import AdaptiveBlockSize, CostCurve, FixedBlockSize
+from dflash_mlx.adaptive import AdaptiveBlockSize, FixedBlockSize
+from dflash_mlx.step_costs import CostCurve
 from dflash_mlx.copying import CORPUS_MIN_MATCH, Copy, CopyIndex, common_run, corpus_index, merge
 from dflash_mlx.decode import DecodeCache, speculative_decode
 from dflash_mlx.kernels import get_ops, rejection_accept_twin
