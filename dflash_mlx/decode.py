@@ -174,12 +174,15 @@ def speculative_decode(
             logits = apply_processors(processors, history, block, logits)
         tokens, n = strategy.verify(logits, proposals, q)
         ran_ahead, ahead = ahead is not None, None
+        outputs = (tokens, n, *(x for x in (drafted, from_copy) if x is not None))
         if B == 1 and produced + 1 < max_tokens and policy.expects_plain():
             # mlx_lm's pipelining: the next anchor's forward (the whole of a plain step) runs
-            # while the host reads this step's token and the caller handles it.
+            # while the host reads this step's token and the caller handles it. Evaluated
+            # apart: in one evaluation with it, reading the token would wait for that forward.
+            mx.async_eval(outputs)
             ahead = target(tokens[None, :1], cache)
             mx.async_eval(ahead)
-        mx.eval(tokens, n, *(x for x in (drafted, from_copy) if x is not None))
+        mx.eval(outputs)
         n = n.item()
         target.rollback(cache, B - 1 - n)
         committed = tokens.tolist()[: n + 1]  # read once: slicing on the device would cost a second sync

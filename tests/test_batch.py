@@ -17,7 +17,7 @@ from mlx_lm.models.cache import ConcatenateKVCache
 from mlx_lm.sample_utils import make_repetition_penalty
 from stats import ALPHA, chi_square_p_value
 from test_hybrid import build, make_drafter
-from tiny import EOS_ID, MASK_ID, RowOracleDrafter
+from tiny import EOS_ID, MASK_ID, RowOracleDrafter, async_evaluations, reads_apart_from_next_forward
 
 import dflash_mlx
 from dflash_mlx import DFlashModel, batch_generate, stream_generate
@@ -318,6 +318,16 @@ def run_ahead_case(pair, prompts, refs, max_tokens):
 def test_plain_steps_run_ahead_while_rows_join_and_leave(family):
     model, _, prompts, refs = family
     run_ahead_case(model, prompts, refs, MAX_TOKENS)
+
+
+def test_a_plain_step_is_read_without_waiting_for_the_next_forward(family, monkeypatch):
+    model, _, prompts, refs = family
+    calls = async_evaluations(monkeypatch)
+    engine, oracle = oracle_engine(model, block_size=1)
+    uids = [add(engine, oracle, p, r, w, n) for p, r, w, n in zip(prompts, refs, WRONG_EVERY, MAX_TOKENS)]
+    events = collect(engine)
+    assert [[e.token for e in events[u]] for u in uids] == refs
+    assert reads_apart_from_next_forward(calls)
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "gemma3_text"])

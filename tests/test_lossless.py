@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_repetition_penalty
-from tiny import OracleDrafter
+from tiny import OracleDrafter, async_evaluations, reads_apart_from_next_forward
 
 import dflash_mlx
 from dflash_mlx import DFlashModel, stream_generate
@@ -57,6 +57,16 @@ def test_greedy_matches_mlx_lm(family, block_size, drafter):
         assert min(taus) > 0.8 * block_size
     if block_size > 4 and drafter == "oracle-corrupt":
         assert 1 < min(taus) < block_size
+
+
+def test_a_plain_step_is_read_without_waiting_for_the_next_forward(family, monkeypatch):
+    """Plain steps start the next forward early (mlx_lm's pipelining); their own outputs must be
+    evaluated apart from it, or reading the token waits for that forward (one MLX evaluation)."""
+    model, tokenizer, prompts, refs = family
+    calls = async_evaluations(monkeypatch)
+    out, stats = dflash(model, tokenizer, prompts[1], 1)
+    assert out == refs[1][: len(out)] and set(stats.block_sizes) == {1}
+    assert reads_apart_from_next_forward(calls)
 
 
 def test_full_blocks_and_bonus_path(family):

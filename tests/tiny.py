@@ -315,3 +315,22 @@ def with_layers_of(drafter: Drafter, trained: Drafter, seed: int = 0) -> Drafter
         selector.hidden_projection.weight = 0.3 * mx.random.normal(selector.hidden_projection.weight.shape)
     mx.eval(drafter.parameters())
     return drafter
+
+
+def async_evaluations(monkeypatch) -> list[list[mx.array]]:
+    """Record the arrays of every ``mx.async_eval`` call from now on, one list per call."""
+    calls, real = [], mx.async_eval
+
+    def recording(*args):
+        calls.append([a for _, a in tree_flatten(list(args)) if isinstance(a, mx.array)])
+        return real(*args)
+
+    monkeypatch.setattr(mx, "async_eval", recording)
+    return calls
+
+
+def reads_apart_from_next_forward(calls: list[list[mx.array]]) -> bool:
+    """Whether some step's accepted count (a scalar) was queued for evaluation, and never together
+    with a forward's logits (3-d): reading it then waits for its own step alone, not the next."""
+    return (any(any(a.ndim == 0 for a in call) for call in calls)
+            and not any(any(a.ndim == 0 for a in call) and any(a.ndim == 3 for a in call) for call in calls))
