@@ -68,17 +68,17 @@ class _Run:
 
 
 class BatchBlockSize:
-    """The block size of each batch step: the B with the most optimistic expected tokens per
-    second summed over the running rows (``next_block_size(trackers)``, one ``AdaptiveBlockSize``
-    per row from ``track``, which the engine feeds that row's own outcomes). A run of
-    ``probe_every`` plain steps is followed by a speculative probe, so a low prior or an unlucky
-    start cannot rule speculation out for good. Unlike one row's, the wait does not back off: in
+    """The block size of each batch step: the B with the most expected tokens per second
+    (optimistic by the rows' ``optimism``) summed over the running rows (``next_block_size``;
+    one ``AdaptiveBlockSize`` per row from ``track``, which the engine feeds that row's own
+    outcomes). A run of ``probe_every`` plain steps is followed by a speculative probe, so a low
+    prior or an unlucky start cannot rule speculation out for good. Unlike one row's, the wait does not back off: in
     a batch, copies are proposed only on drafted steps, and with the backoff 4 MT-Bench clients
     measured 0.80x of mlx_lm's BatchGenerator against 0.97x without it (bench_batch.py).
 
     timed: the engine's measured step times rescale the calibrated cost of each block size
     (``Drift``, as in ``AdaptiveBlockSize``). The calibration's few rounds of 8 rows are
-    noisy: one that timed plain steps 15% slow had 8 MT-Bench rows draft blocks of 2 at
+    noisy: one that timed plain steps 12% slow had 8 MT-Bench rows draft blocks of 2 at
     0.85x of mlx_lm where plain steps ran at 0.99x; and the rows' own per-step work (picks,
     copies, rollback) is not in it. Block sizes then depend on timing, as they already do on
     the calibration and on the neighbours' acceptance.
@@ -90,7 +90,7 @@ class BatchBlockSize:
         self.probes = ProbeSchedule(probe_every, longest=probe_every)
         self.drift = Drift(row_kwargs.get("decay", 0.8)) if timed else None
         self.run: _Run | None = None  # the steps timed together so far (``observe``)
-        self.rows = 0  # rows of the last step observed
+        self.last_rows = 0  # rows of the last step observed
         self.row_kwargs = row_kwargs
 
     def track(self) -> AdaptiveBlockSize:
@@ -118,8 +118,8 @@ class BatchBlockSize:
         run = self.run
         run.seconds += seconds
         run.calibrated += self.row_curve.step_seconds(rows, block_size)
-        run.steady &= rows == self.rows
-        self.rows = rows
+        run.steady &= rows == self.last_rows
+        self.last_rows = rows
         if not ahead:
             self.run = None
             if run.steady:

@@ -27,6 +27,7 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
 # Largest block of a copy-only step: no drafter bounds it, and long copies are the ones that pay.
 COPY_BLOCK_SIZE = 16
 
+
 @dataclass(frozen=True)
 class CostCurve:
     """Seconds per decode step on this machine: target verify and drafter forward of B rows."""
