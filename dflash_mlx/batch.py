@@ -45,7 +45,7 @@ from . import kernels
 from .adaptive import AdaptiveBlockSize
 from .batch_adaptive import BatchBlockSize, make_batch_policy
 from .batch_cache import PromptCache
-from .batch_prefill import prefill_chunks
+from .batch_prefill import PREFILL_STEP_SIZE, prefill_chunks
 from .batch_copies import RowCopies, propose_rows
 from .copying import corpus_tokens
 from .decode import LogitsProcessor, Step, apply_processors
@@ -131,7 +131,7 @@ class BatchEngine:
         *,
         block_size: int | str | BatchBlockSize | None = None,
         completion_batch_size: int = 8,
-        prefill_step_size: int = 512,
+        prefill_step_size: int = PREFILL_STEP_SIZE,
         use_metal: bool | None = None,
         prompt_cache_size: int = 4,
         copy_proposals: bool = True,

@@ -9,6 +9,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .batch import BatchEngine
+from .batch_prefill import PREFILL_STEP_SIZE
 from .decode import LogitsProcessor
 from .errors import DFlashError
 from .generation import encode_prompt
@@ -53,7 +54,7 @@ def batch_generate(
     stop_tokens: Iterable[int | Sequence[int]] = (),
     block_size: int | str | None = None,
     completion_batch_size: int = 8,
-    prefill_step_size: int = 512,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
     use_metal: bool | None = None,
     copy_proposals: bool = True,
 ) -> BatchResponse:

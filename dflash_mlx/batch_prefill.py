@@ -14,6 +14,10 @@ import mlx.core as mx
 from .ragged import RaggedKVCache
 from .target import Target
 
+# Prompt tokens per prefill step of the batch engine: a request that joins running rows holds them
+# up for one forward of this many tokens per step (mlx_lm prefills 2048 at a time).
+PREFILL_STEP_SIZE = 512
+
 
 def prefill_chunks(target: Target, chunks: list[tuple[list, list[int]]], step_size: int) -> list[tuple[mx.array, mx.array]]:
     """For each (one-row caches, prompt tokens): the last token's logits (1, V) and the tokens'

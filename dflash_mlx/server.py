@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-concurrency", type=positive_int, default=8,
                    help="Decode up to this many requests together (the batch engine); 1 serves one at a "
                         "time, with the conversation cache and copy proposals")
+    p.add_argument("--prefill-step-size", type=positive_int, default=None,
+                   help="Most prompt tokens per prefill forward (default: 2048 one at a time, as mlx_lm; "
+                        "512 batched, where a joining prompt holds the running requests up for one such "
+                        "forward per step)")
     add_block_arguments(p)
     add_sharding_arguments(p)
 

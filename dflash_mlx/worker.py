@@ -96,6 +96,7 @@ class Worker(threading.Thread):
     def __init__(self, args: argparse.Namespace, metrics: Metrics):
         super().__init__(name="dflash-worker", daemon=True)
         self.args, self.metrics = args, metrics
+        self.prefill_step_size = getattr(args, "prefill_step_size", None)  # None: each path's default
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.ready = threading.Event()  # set once loading ended, well or not
         self.state, self.error = "loading", None  # loading, ready, failed, stopping, stopped
@@ -166,6 +167,7 @@ class Worker(threading.Thread):
             self.metrics.batching = "--draft-window bounds the drafter of one-at-a-time decoding only"
         elif concurrency > 1:
             from .batch import BatchEngine, batch_refusal
+            from .batch_prefill import PREFILL_STEP_SIZE
 
             self.metrics.batching = batch_refusal(self.model, concurrency)
             if self.metrics.batching is None:
@@ -173,6 +175,7 @@ class Worker(threading.Thread):
 
                 def engine() -> BatchEngine:
                     made = BatchEngine(self.model, block_size=self.args.block_size, completion_batch_size=concurrency,
+                                       prefill_step_size=self.prefill_step_size or PREFILL_STEP_SIZE,
                                        copy_proposals=getattr(self.args, "copy_proposals", True))
                     self.metrics.engine = made.stats
                     return made
@@ -260,6 +263,8 @@ class Worker(threading.Thread):
             kwargs["sampler"] = make_sampler(p.temp, p.top_p, p.min_p, 1, p.top_k, p.xtc_probability, p.xtc_threshold, specials)
         if p.logits:
             kwargs["logits_processors"] = make_logits_processors(**p.logits)
+        if self.prefill_step_size:
+            kwargs["prefill_step_size"] = self.prefill_step_size
         return kwargs
 
     def _generate(self, job: Job) -> None:

@@ -34,6 +34,22 @@ def test_generate_runs_and_prints_stats(tiny_pair):
         assert line in result.stdout
 
 
+def test_prefill_step_size_reaches_the_prefill(tiny_pair, capsys, monkeypatch):
+    from dflash_mlx.target import Target
+
+    target, draft = tiny_pair("qwen3")
+    calls, prefill = [], Target.prefill
+    monkeypatch.setattr(Target, "prefill", lambda self, prompt, cache, step_size=2048, *a, **k: (
+        calls.append(step_size), prefill(self, prompt, cache, step_size, *a, **k))[1])
+    outputs = []
+    for step in ("2048", "3"):
+        code, out, err = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--prompt", "Hello there",
+                                 "--max-tokens", "12", "--block-size", "4", "--prefill-step-size", step, "--verbose", "0")
+        assert code == 0, err
+        outputs.append(out)
+    assert calls == [2048, 3] and outputs[0] == outputs[1]
+
+
 def edited_drafter(tmp_path, family="qwen3", **overrides):
     config = drafter_config(TARGETS[family])
     dflash_overrides = overrides.pop("dflash_config", {})
@@ -154,9 +170,10 @@ def drop_config_key(folder):
     (None, ["--top-p", "0"], "--top-p 0.0: top_p must be in (0, 1]"),
     (None, ["--top-k", "-1"], "argument --top-k: -1 is negative"),
     (None, ["--max-tokens", "0"], "argument --max-tokens/-m: 0 is not a positive integer"),
+    (None, ["--prefill-step-size", "0"], "argument --prefill-step-size: 0 is not a positive integer"),
     (None, ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ], ids=["truncated-weights", "config-json", "config-key", "template-raises", "prompt-utf8", "system-utf8", "seed-range",
-        "seed-type", "temp-nan", "temp-underflow", "top-p", "top-k", "max-tokens", "unknown-flag"])
+        "seed-type", "temp-nan", "temp-underflow", "top-p", "top-k", "max-tokens", "prefill-step", "unknown-flag"])
 def test_bad_input_is_one_line(tiny_pair, tmp_path, capsys, edit, argv, message):
     target, draft = tiny_pair("qwen3")
     model = edited_target(tmp_path, target, "edited", edit) if edit else target

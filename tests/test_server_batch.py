@@ -164,6 +164,24 @@ def test_bad_request_in_a_batch_is_refused_alone(server, reference):
             bad.result()
 
 
+@pytest.mark.parametrize("concurrency", ["8", "1"])
+def test_prefill_step_size_reaches_both_paths(pair, reference, concurrency, monkeypatch):
+    """--prefill-step-size sets the batch engine's chunks and one-at-a-time prefill alike."""
+    import dflash_mlx.generation as generation
+
+    seen, stream = [], generation.stream_generate
+    monkeypatch.setattr(generation, "stream_generate", lambda *a, **k: (seen.append(k.get("prefill_step_size")),
+                                                                        stream(*a, **k))[1])
+    srv = start(pair, "--block-size", "4", "--prefill-step-size", "3", "--decode-concurrency", concurrency)
+    try:
+        assert completion(srv.server_address[1], PROMPTS[2], MAX_TOKENS[2]) == reference[PROMPTS[2]][0]
+        batch = srv.app.worker.batch
+        assert (batch.engine.prefill_step_size, seen) == (3, []) if batch else seen == [3]
+    finally:
+        srv.shutdown()
+        close(srv)
+
+
 def test_unbatchable_pair_says_why(pair):
     srv = start(pair, "--decode-concurrency", "1")
     try:
