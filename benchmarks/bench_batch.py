@@ -13,7 +13,12 @@ built-in pair (``dflash_mlx.default.default_pair``), for each system:
   batched (prefill and completion batches of c), same process, same BLAS;
 - ``oracle`` (with ``--oracle N``): the batch engine with a drafter that runs
   its real forward but proposes the target's own greedy continuation, wrong at
-  every N-th position: what the engine reaches when acceptance is high.
+  every N-th position: what the engine reaches when acceptance is high;
+- with ``--also NAME=SPEC`` (repeatable): more batch engines in the same race, SPEC a
+  block size or the JSON keyword arguments of ``make_batch_policy``, e.g.
+  ``--also b1=1 --also bonus='{"optimism": 0.3}'``.
+
+``--dataset gsm8k`` takes GSM8K questions instead of MT-Bench's.
 
 The systems run interleaved step by step (one engine step, one serial step,
 one mlx_lm step, round robin, each followed by synchronizing every stream), and each
@@ -129,6 +134,9 @@ def main():
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--block-size", default="auto", help="the batch engine's block size: an integer or auto")
     p.add_argument("--serial-block-size", type=int, default=4, help="block size of the one-at-a-time runs")
+    p.add_argument("--dataset", default="mt-bench", help="mt-bench, gsm8k or humaneval")
+    p.add_argument("--also", action="append", default=[], metavar="NAME=SPEC",
+                   help="another batch engine in the race: a block size or make_batch_policy's JSON kwargs")
     p.add_argument("--oracle", type=int, default=0, metavar="N",
                    help="also run the engine with an oracle drafter wrong at every N-th position (0: off)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "batch.json")
@@ -137,7 +145,8 @@ def main():
 
     model, tokenizer = dflash_mlx.load(*default_pair())
     eos = list(tokenizer.eos_token_ids)
-    questions = load_dataset("mt-bench", max(args.concurrency))
+    questions = load_dataset(args.dataset, max(args.concurrency))
+    also = {name: spec for name, spec in (a.split("=", 1) for a in args.also)}
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
                for q in questions]
     curve = row_cost_curve(model) if block_size == "auto" else None
@@ -158,12 +167,15 @@ def main():
     results = []
     print(f"{'clients':>7} {'system':>8} {'tok/s':>7} {'p50 s':>7} {'p95 s':>7} {'rows/step':>9}  exact")
     for c in args.concurrency:
-        ps, extras = prompts[:c], {name: {} for name in ("batched", "serial", "mlx_lm", "oracle")}
+        ps, extras = prompts[:c], {name: {} for name in ("batched", "serial", "mlx_lm", "oracle", *also)}
         systems = {
             "batched": batched(model, ps, eos, args.max_tokens, block_size, extras["batched"]),
             "serial": serial(model, tokenizer, ps, args.max_tokens, args.serial_block_size, extras["serial"]),
             "mlx_lm": plain_batched(model, ps, eos, args.max_tokens, extras["mlx_lm"]),
         }
+        for name, spec in also.items():
+            spec_block = int(spec) if spec.isdigit() else make_batch_policy(model, **json.loads(spec))
+            systems[name] = batched(model, ps, eos, args.max_tokens, spec_block, extras[name])
         if oracle is not None:
             systems["oracle"] = batched(model, ps, eos, args.max_tokens, block_size, extras["oracle"],
                                         oracle, refs, args.oracle)
@@ -180,8 +192,10 @@ def main():
         tps = {r["system"]: r["tokens_per_second"] for r in results if r["clients"] == c}
         print(f"{c:>7} {'ratio':>8} batched/mlx_lm {tps['batched'] / tps['mlx_lm']:.2f}x, "
               f"batched/serial {tps['batched'] / tps['serial']:.2f}x"
-              + (f", oracle/mlx_lm {tps['oracle'] / tps['mlx_lm']:.2f}x" if oracle else ""), flush=True)
+              + (f", oracle/mlx_lm {tps['oracle'] / tps['mlx_lm']:.2f}x" if oracle else "")
+              + "".join(f", {name}/mlx_lm {tps[name] / tps['mlx_lm']:.2f}x" for name in also), flush=True)
     report = dict(
+        dataset=args.dataset, also=also,
         max_tokens=args.max_tokens, block_size=args.block_size, serial_block_size=args.serial_block_size,
         oracle_wrong_every=args.oracle,
         results=results, peak_memory_gb=mx.get_peak_memory() / 1e9,
