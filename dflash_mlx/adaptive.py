@@ -292,7 +292,7 @@ class AdaptiveBlockSize:
 
     def _time(self, plan: Plan, seconds: float | None) -> None:
         if self.drift is not None and seconds is not None:
-            self.drift.observe(plan.block_size, seconds / self.curve.step_seconds(plan.block_size, plan.draft))
+            self.drift.observe(plan.block_size, seconds, self.curve.step_seconds(plan.block_size, plan.draft))
 
 
 def make_policy(

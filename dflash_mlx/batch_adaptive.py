@@ -59,14 +59,6 @@ def row_cost_curve(model: DFlashModel, use_metal: bool | None = None) -> RowCost
     return _curves[model]
 
 
-@dataclass
-class _Run:
-    block_size: int
-    seconds: float = 0.0
-    calibrated: float = 0.0
-    steady: bool = True
-
-
 class BatchBlockSize:
     """The block size of each batch step: the B with the most expected tokens per second
     (optimistic by the rows' ``optimism``) summed over the running rows (``next_block_size``;
@@ -89,7 +81,6 @@ class BatchBlockSize:
         self.row_curve, self.max_block_size = curve, max_block_size
         self.probes = ProbeSchedule(probe_every, longest=probe_every)
         self.drift = Drift(row_kwargs.get("decay", 0.8)) if timed else None
-        self.run: _Run | None = None  # the steps timed together so far (``observe``)
         self.last_rows = 0  # rows of the last step observed
         self.row_kwargs = row_kwargs
 
@@ -104,26 +95,12 @@ class BatchBlockSize:
 
     def observe(self, rows: int, block_size: int, seconds: float, ahead: bool = False) -> None:
         """A step of ``rows`` rows and ``block_size`` took ``seconds``; ``ahead``: it started the
-        next step's forward early (used when timed).
-
-        A step that starts the next forward waits for it too (one MLX evaluation holds both), and
-        the step after it waits for almost nothing: such a run of plain steps is timed as a whole
-        (the run's first block size stands for it). A run in which the rows changed is not timed:
-        its first step also joined or filtered caches.
-        """
+        next step's forward early (used when timed; ``Drift.observe``). A step after rows joined
+        or left also joined or filtered their caches: its run is not timed."""
         if self.drift is None:
             return
-        if self.run is None:
-            self.run = _Run(block_size)
-        run = self.run
-        run.seconds += seconds
-        run.calibrated += self.row_curve.step_seconds(rows, block_size)
-        run.steady &= rows == self.last_rows
-        self.last_rows = rows
-        if not ahead:
-            self.run = None
-            if run.steady:
-                self.drift.observe(run.block_size, run.seconds / run.calibrated)
+        steady, self.last_rows = rows == self.last_rows, rows
+        self.drift.observe(block_size, seconds, self.row_curve.step_seconds(rows, block_size), ahead, steady)
 
     def tokens_per_second(self, trackers: list[AdaptiveBlockSize], block_size: int) -> float:
         expected = sum(t.expected_tokens(block_size, True) for t in trackers)

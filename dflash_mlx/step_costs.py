@@ -151,6 +151,7 @@ class Drift:
     def __init__(self, decay: float):
         self.decay = decay
         self.ratios: dict[int, float] = {}
+        self._run: tuple[int, float, float, bool] | None = None  # steps timed together so far
 
     def scale(self, block_size: int) -> float:
         if not self.ratios:
@@ -159,11 +160,26 @@ class Drift:
             return self.ratios[block_size]
         return min(1.0, self.ratios[min(self.ratios, key=lambda b: (abs(b - block_size), b))])
 
-    def observe(self, block_size: int, ratio: float) -> None:
-        if block_size not in self.ratios:
-            self.ratios[block_size] = ratio
+    def observe(self, block_size: int, seconds: float, calibrated: float, ahead: bool = False,
+                steady: bool = True) -> None:
+        """A step of ``block_size`` took ``seconds`` where the calibration says ``calibrated``.
+
+        ``ahead``: the step started the next one's forward early. It then waits for that forward
+        too (one MLX evaluation holds both) and the step after it waits for almost nothing, so
+        such a run of steps is timed as a whole, under its first step's block size. ``steady``:
+        False when the step also did work not its own (a batch's rows joined or left, their
+        caches concatenated or filtered); its run is not timed.
+        """
+        size, spent, expected, ok = self._run or (block_size, 0.0, 0.0, True)
+        spent, expected, ok = spent + seconds, expected + calibrated, ok and steady
+        self._run = (size, spent, expected, ok) if ahead else None
+        if ahead or not ok:
+            return
+        ratio = spent / expected
+        if size not in self.ratios:
+            self.ratios[size] = ratio
         else:
             # Clipped: one slow step (the drafter absorbing a whole prompt, a
             # busy spell) must not rule a block size out for long.
-            d = self.ratios[block_size]
-            self.ratios[block_size] = self.decay * d + (1 - self.decay) * min(ratio, 2 * d)
+            d = self.ratios[size]
+            self.ratios[size] = self.decay * d + (1 - self.decay) * min(ratio, 2 * d)
