@@ -207,10 +207,11 @@ class AdaptiveBlockSize:
     e.g. at a context length the calibration never saw (on MLX CPU, verifying
     8+ rows at a 4k context costs far more than the short-context curve says).
     Off by default:
-    block sizes then depend on timing, and with them the random draws, so
-    seeded sampling would stop being reproducible (greedy output is the same
-    whatever the block sizes); and on a busy machine the timings are noisy
-    enough to cost more than the calibration's blind spots.
+    block sizes then depend on timing, and with them rejection sampling's
+    draws (DFlash2 drafters), so seeded runs there would stop being
+    reproducible (greedy and coupled sampling commit the same text whatever
+    the block sizes); and on a busy machine the timings are noisy enough to
+    cost more than the calibration's blind spots.
     """
 
     def __init__(

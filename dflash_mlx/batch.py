@@ -34,7 +34,6 @@ import itertools
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Iterable, Sequence
 
@@ -42,10 +41,10 @@ import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
 from . import kernels
-from .adaptive import AdaptiveBlockSize
 from .batch_adaptive import BatchBlockSize, make_batch_policy
 from .batch_cache import PromptCache
 from .batch_prefill import PREFILL_STEP_SIZE, prefill_chunks
+from .batch_request import BatchRequest, TokenEvent
 from .batch_copies import RowCopies, propose_rows
 from .copying import corpus_tokens
 from .decode import LogitsProcessor, Step, apply_processors
@@ -53,55 +52,8 @@ from .drafter import Drafter
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
 from .ragged import RaggedKVCache
-from .sampling import KeyedPicks, Sampler, SamplingParams, Strategy, make_strategy, token_logprobs
+from .sampling import KeyedPicks, Sampler, SamplingParams, Strategy, make_strategy, random_seed, token_logprobs
 from .stats import EngineStats, SpeculativeStats
-
-
-@dataclass
-class TokenEvent:
-    """One committed token of one request, in order.
-
-    The request's last event has a ``finish_reason``: "stop" (``token`` is the
-    stop token, not part of the answer, as in mlx_lm) or "length"; it also
-    carries the request's acceptance record.
-    """
-
-    uid: int
-    token: int
-    from_draft: bool  # a drafter proposal the target accepted
-    finish_reason: str | None = None
-    logprob: float | None = None  # with add(logprobs=True): log p of the token (after processors)
-    stats: SpeculativeStats | None = None
-
-
-@dataclass(eq=False)
-class _Request:
-    uid: int
-    prompt: list[int]
-    max_tokens: int
-    strategy: Strategy
-    processors: list[LogitsProcessor]
-    matcher: StopSequences.Matcher
-    key: mx.array | None
-    logprobs: bool
-    stats: SpeculativeStats
-    tracker: AdaptiveBlockSize | None
-    block_cap: int | None  # the request's own largest block
-    copies: RowCopies | None
-    cache: list  # one-row caches until the request joins the batch
-    draft_cache: list
-    prefilled: int = 0  # prompt tokens in the caches (from the prompt cache, then prefilled)
-    tokens: list[int] = field(default_factory=list)  # prompt, then every committed token
-    produced: int = 0
-    anchor: int = 0
-    history: mx.array | None = None  # prompt + committed tokens, for logits processors
-    context: list[mx.array] = field(default_factory=list)  # hidden rows the drafter has not seen
-
-    def subkey(self) -> mx.array | None:
-        if self.key is None:
-            return None
-        self.key, sub = mx.random.split(self.key)
-        return sub
 
 
 def batch_refusal(model: DFlashModel, completion_batch_size: int) -> str | None:
@@ -159,8 +111,8 @@ class BatchEngine:
         if self.ops.path != "mlx":
             self.fallbacks.add("block_attention: batched rows use mx.fast.scaled_dot_product_attention")
         self.head, self.mask_id = self.target.head(self.drafter.vocab_rows), self.drafter.args.mask_token_id
-        self.rows: list[_Request] = []  # in batch order
-        self.pending: deque[_Request] = deque()
+        self.rows: list[BatchRequest] = []  # in batch order
+        self.pending: deque[BatchRequest] = deque()
         self.cache: list | None = None
         self.draft_cache: list | None = None
         self.ahead: tuple[mx.array, mx.array] | None = None  # logits and hidden of the anchors' forward
@@ -213,15 +165,19 @@ class BatchEngine:
             raise DFlashError("seed cannot reach a custom sampler (it draws from MLX's global state): "
                               "pass temp/top_p/top_k/min_p instead, or call mx.random.seed")
         stops = [[t] if isinstance(t, int) else list(t) for t in stop_tokens]
-        request = _Request(
-            uid=next(self._uids), prompt=prompt, max_tokens=max_tokens,
-            strategy=make_strategy(SamplingParams(temp, top_p, top_k, min_p), sampler, self.ops),
+        # Coupled sampling keyed by the request's seed: its text does not depend on its neighbours.
+        coupled = None if temp == 0 or sampler or self.picks_in_order else (
+            random_seed() if seed is None else seed, self.target.vocab_size)
+        strategy = make_strategy(SamplingParams(temp, top_p, top_k, min_p), sampler, self.ops, coupled)
+        request = BatchRequest(
+            uid=next(self._uids), prompt=prompt, max_tokens=max_tokens, strategy=strategy,
             processors=list(logits_processors or []),
             matcher=StopSequences(stops).matcher(),
             key=None if seed is None else mx.random.key(seed),
             logprobs=logprobs,
             stats=SpeculativeStats(self.block_size, self.ops.path, self.fallbacks, adaptive=self.policy is not None,
-                                   copy_proposals=self.copy_proposals, corpus_tokens=corpus_tokens(self.drafter)),
+                                   copy_proposals=self.copy_proposals, corpus_tokens=corpus_tokens(self.drafter),
+                                   sampling=strategy.name),
             block_cap=block_size,
             copies=RowCopies(prompt, self.block_size, self.drafter.corpus) if self.copy_proposals else None,
             tracker=self.policy.track() if self.policy else None,
@@ -289,15 +245,15 @@ class BatchEngine:
                     self._start(request, token, logprob, events)
             self.stats.prompt_time += time.perf_counter() - tic
 
-    def _first_token(self, request: _Request, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+    def _first_token(self, request: BatchRequest, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         if request.processors:
             prompt = mx.array(request.prompt)
             logits = apply_processors(request.processors, prompt[:-1], prompt[-1:], logits)
             request.history = prompt
-        token = request.strategy.first(logits, request.subkey())
+        token = request.strategy.at(len(request.prompt)).first(logits, request.subkey())
         return token, token_logprobs(logits, token) if request.logprobs else None
 
-    def _start(self, request: _Request, token: mx.array, logprob: mx.array | None, events: list[TokenEvent]) -> None:
+    def _start(self, request: BatchRequest, token: mx.array, logprob: mx.array | None, events: list[TokenEvent]) -> None:
         if not self._emit(request, token.tolist(), 0, logprob, events):
             self.prompt_cache.save(request.tokens, request.cache, request.draft_cache, 0)
             return
@@ -332,8 +288,9 @@ class BatchEngine:
         B = min([B] + [r.block_cap for r in rows if r.block_cap])
         anchors = mx.array([[r.anchor] for r in rows], mx.int32)
         drafted, from_copy = None, [None] * R
+        rules = [r.strategy.at(len(r.tokens)) for r in rows]  # each row's block starts at its own position
         if B > 1:
-            drafted, qs, confidence = self._draft(anchors, B)
+            drafted, qs, confidence = self._draft(anchors, B, rules)
             proposals, qs, from_copy = propose_rows(rows, drafted, qs, confidence)
         else:
             proposals, qs = mx.zeros((R, 0), mx.int32), [mx.zeros((0, self.target.vocab_size))] * R
@@ -351,7 +308,7 @@ class BatchEngine:
             row_logits = logits[i]
             if r.processors:
                 row_logits = apply_processors(r.processors, r.history, block[i], row_logits)
-            tokens, n = r.strategy.verify(row_logits, proposals[i], qs[i], r.subkey())
+            tokens, n = rules[i].verify(row_logits, proposals[i], qs[i], r.subkey())
             results.append((tokens, n, token_logprobs(row_logits, tokens) if r.logprobs else None))
         tokens, accepted, logprobs = zip(*results)
         outputs = (tokens, accepted, [x for x in (*logprobs, drafted, *from_copy) if x is not None])
@@ -398,7 +355,7 @@ class BatchEngine:
             return True
         return self.policy.expects_plain([r.tracker for r in self.rows]) if self.policy else self.block_size == 1
 
-    def _draft(self, anchors: mx.array, B: int) -> tuple[mx.array, list[mx.array | None], mx.array]:
+    def _draft(self, anchors: mx.array, B: int, rules: list[Strategy]) -> tuple[mx.array, list[mx.array | None], mx.array]:
         """Every row's B-1 proposals from one drafter forward, the draft distributions, and the
         drafter's probability of each proposal (lazy: read only to weigh a copy against it)."""
         rows = self.rows
@@ -416,18 +373,18 @@ class BatchEngine:
             c.prepare([width - n for n in counts])
         if self.picks_in_order:  # one row (see __init__)
             tokens, q, confidence = self.drafter.propose(embeddings, anchors[:, 0], context, self.draft_cache,
-                                                         self.head, KeyedPicks(rows[0].strategy, rows[0].subkey))
+                                                         self.head, KeyedPicks(rules[0], rows[0].subkey))
             qs = [None if q is None else q[0]]
         else:
             draft_logits = self.drafter(embeddings, context, self.draft_cache, self.head, self.ops)
-            tokens, qs, confidence = zip(*[self.drafter.pick(draft_logits[i], partial(r.strategy.propose, key=r.subkey()))
+            tokens, qs, confidence = zip(*[self.drafter.pick(draft_logits[i], partial(rules[i].propose, key=r.subkey()))
                                            for i, r in enumerate(rows)])
             tokens, confidence = mx.stack(tokens), mx.stack(confidence)
         for r in rows:
             r.context = []
         return tokens, list(qs), confidence
 
-    def _emit(self, request: _Request, tokens: list[int], accepted: int, logprobs, events: list[TokenEvent]) -> bool:
+    def _emit(self, request: BatchRequest, tokens: list[int], accepted: int, logprobs, events: list[TokenEvent]) -> bool:
         """Turn committed tokens into events; False once the request is finished."""
         lps = [None] * len(tokens) if logprobs is None else logprobs.tolist()
         for j, (token, lp) in enumerate(zip(tokens, lps)):

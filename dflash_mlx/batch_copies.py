@@ -4,10 +4,10 @@ Every request keeps a ``copying.CopyIndex`` of its prompt and output and an ``ad
 of its own. Rows share one drafter forward and one block size per step, so a row cannot skip the
 drafter; instead each row's block holds the likelier continuation: all of the copy when its
 measured run rates promise at least the drafter's (chosen before the draft is looked at, so under
-sampling the copied tokens are verified as point masses, q = None, and the rejection rule stays
-exact); otherwise, for deterministic proposals (greedy, or a sampler verified by matching), the
-draft and the copy merged at their first disagreement (``copying.merge``), and for sampled ones
-the draft alone.
+rejection sampling the copied tokens are verified as point masses, q = None, and the rule stays
+exact); otherwise, for deterministic proposals (greedy, coupled sampling, or a sampler verified
+by matching), the draft and the copy merged at their first disagreement (``copying.merge``), and
+for rejection-sampled ones the draft alone.
 """
 
 from __future__ import annotations

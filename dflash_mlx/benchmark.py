@@ -168,10 +168,11 @@ def _profile(model, prompt: list[int], args: argparse.Namespace, result: Dataset
     from . import kernels
     from .adaptive import make_policy
     from .decode import speculative_decode
+    from .generation import coupling
     from .sampling import SamplingParams, make_strategy
 
     ops = kernels.get_ops()
-    strategy = make_strategy(SamplingParams(args.temp, 1.0, 0, 0.0), None, ops)
+    strategy = make_strategy(SamplingParams(args.temp, 1.0, 0, 0.0), None, ops, coupling(model) if args.temp > 0 else None)
     block = make_policy(model) if args.block_size == "auto" else args.block_size
     steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy, block_size=block,
                                max_tokens=args.max_tokens, profile=True, copy_proposals=args.copy_proposals)
@@ -279,6 +280,7 @@ def run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from . import BLAS, kernels
+    from .generation import couples
     from .model import load
 
     if args.num_prompts < 1 or args.max_tokens < 2:
@@ -286,8 +288,8 @@ def run(args: argparse.Namespace) -> None:
     resolve_pair(args)
     prompts = {d: load_dataset(d, args.num_prompts, args.gsm8k_path, args.mt_bench_path) for d in args.dataset}
     model, tokenizer = load(args.model, args.draft, pipeline=args.pipeline)
-    # The seed is reset before every generation, so sampled runs must be reproducible: see the flag.
-    args.block_size = default_block_size(args.block_size, args.temp, args.seed, model.block_size)
+    # The seed is reset before every generation; sampled runs stay reproducible (see the flag).
+    args.block_size = default_block_size(args.block_size, args.temp, args.seed, model.block_size, couples(model))
     block = f"auto (up to {model.block_size})" if args.block_size == "auto" else args.block_size
     header = (f"target {args.model}\ndrafter {args.draft}\nBLAS: {BLAS}; kernels: {kernels.get_ops().path}; "
               f"block size {block}; temp {args.temp}; max tokens {args.max_tokens}")

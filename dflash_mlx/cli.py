@@ -78,7 +78,7 @@ def _build_prompt(tokenizer, args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
-    from .generation import stream_generate
+    from .generation import couples, stream_generate
     from .model import load
     from .protocol import check_flags
     from .stats import format_stats
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
-        block_size=default_block_size(args.block_size, args.temp, args.seed, model.block_size),
+        block_size=default_block_size(args.block_size, args.temp, args.seed, model.block_size, couples(model)),
         stop_tokens=stop_tokens,
         draft_window=args.draft_window,
         copy_proposals=args.copy_proposals,

@@ -126,7 +126,7 @@ def speculative_decode(
     history = prompt
     if processors:
         logits = apply_processors(processors, prompt[:-1], prompt[-1:], logits)
-    anchor = strategy.first(logits).reshape(1)
+    anchor = strategy.at(prompt.size).first(logits).reshape(1)
     last = anchor.item()
     copies = CopyIndex(prompt.tolist() + [last], drafter.corpus) if copy_proposals else None
     yield Step([last], 0)
@@ -142,10 +142,11 @@ def speculative_decode(
         if copy is not None:
             copy = copy.cut(B - 1) if B > 1 else None
         drafted = from_copy = None
+        rules = strategy.at(prompt.size + produced)  # the block's first verified row predicts this position
         if B > 1 and plan.draft:
             block = mx.concatenate([anchor, mx.repeat(mask, B - 1)])
             drafted, q, confidence = drafter.propose(target.embed(block)[None], anchor,
-                                                     mx.concatenate(context, axis=1), draft_cache, head, strategy)
+                                                     mx.concatenate(context, axis=1), draft_cache, head, rules)
             drafted, q, proposals = drafted[0], None if q is None else q[0], drafted[0]
             if plan.copy:
                 rates = policy.acceptance.copy_rates(copy)
@@ -172,7 +173,7 @@ def speculative_decode(
         logits = logits[0]
         if processors:
             logits = apply_processors(processors, history, block, logits)
-        tokens, n = strategy.verify(logits, proposals, q)
+        tokens, n = rules.verify(logits, proposals, q)
         ran_ahead, ahead = ahead is not None, None
         outputs = (tokens, n, *(x for x in (drafted, from_copy) if x is not None))
         if B == 1 and produced + 1 < max_tokens and policy.expects_plain():

@@ -106,28 +106,30 @@ def add_sampling_arguments(p: argparse.ArgumentParser, temp_help: str = "Samplin
     p.add_argument("--min-p", type=finite_float, default=0.0, help="Sampling min-p (0: off)")
 
 
-# Seeded sampling's fixed block (capped at the drafter's): on the built-in pair it sampled faster
-# than the drafter's 8 on every dataset, and sampled proposals are accepted less far than greedy
-# ones (README).
+# Seeded rejection sampling's fixed block (capped at the drafter's; DFlash2 drafters, whose picks
+# are not coupled): on the built-in pair it sampled faster than the drafter's 8 on every dataset.
 SEEDED_BLOCK_SIZE = 4
 
 
-def default_block_size(block_size: int | str | None, temp: float, seed: int | None, drafter_block_size: int) -> int | str:
-    """``--block-size`` as given, else auto, which measured fastest on the built-in pair on every
-    dataset (README); but a fixed ``SEEDED_BLOCK_SIZE`` for seeded sampling: auto picks block
-    sizes from timings, and the random draws follow the block sizes."""
+def default_block_size(block_size: int | str | None, temp: float, seed: int | None, drafter_block_size: int,
+                       coupled: bool = True) -> int | str:
+    """``--block-size`` as given, else auto. Coupled sampling commits the same text at every block
+    size, so a seed survives auto's timing-based choices; rejection sampling's draws follow the block
+    sizes, so a seeded run without coupling (``coupled=False``) takes a fixed ``SEEDED_BLOCK_SIZE``."""
     if block_size is not None:
         return block_size
-    return min(SEEDED_BLOCK_SIZE, drafter_block_size) if temp > 0 and seed is not None else "auto"
+    if temp > 0 and seed is not None and not coupled:
+        return min(SEEDED_BLOCK_SIZE, drafter_block_size)
+    return "auto"
 
 
 def add_block_arguments(p: argparse.ArgumentParser) -> None:
     """Block-size and drafter-window flags."""
     p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="Tokens per draft block; 'auto' adapts it per step, up to the drafter's block size, "
-                        "from the measured verify cost and the running acceptance (default: auto, but 4 "
-                        "(at most the drafter's) for seeded sampling, which auto's timing-based choices would "
-                        "make irreproducible)")
+                        "from the measured verify cost and the running acceptance (default: auto; a seeded "
+                        "sampled run with a DFlash2 drafter takes 4, at most the drafter's, since its draws "
+                        "follow the block sizes)")
     p.add_argument("--draft-window", type=draft_window_arg, default=None, metavar="KEEP:RECENT",
                    help="Bound the drafter's context to the first KEEP and last RECENT tokens (long prompts)")
     p.add_argument("--no-copy-proposals", dest="copy_proposals", action="store_false",

@@ -13,9 +13,10 @@ from . import kernels
 from .adaptive import AdaptiveBlockSize, make_policy
 from .copying import corpus_tokens
 from .decode import DecodeCache, LogitsProcessor, speculative_decode
+from .drafter import Drafter
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
-from .sampling import Sampler, SamplingParams, make_strategy
+from .sampling import Sampler, SamplingParams, make_strategy, random_seed
 from .stats import SpeculativeStats, format_stats
 
 @dataclass
@@ -74,7 +75,9 @@ def stream_generate(
 
     Greedy (``temp=0``) output is identical to mlx_lm's greedy decoding of the
     target; with ``temp``/``top_p``/``top_k``/``min_p`` tokens follow the same
-    distribution as mlx_lm's ``make_sampler`` with those settings. A custom
+    distribution as mlx_lm's ``make_sampler`` with those settings, drawn by coupled
+    sampling (``sampling.Coupled``), so after ``mx.random.seed`` the text is the same
+    at every block size, ``"auto"`` included. A custom
     ``sampler`` (any logprobs -> token function) also stays exact, but only
     proposals equal to its sample are accepted, so tau drops. ``logits_processors``
     are applied to every verify row with that row's own token history.
@@ -105,12 +108,12 @@ def stream_generate(
     prompt = encode_prompt(tokenizer, prompt)
     params = SamplingParams(temp, top_p, top_k, min_p)
     ops = kernels.get_ops(use_metal)
-    strategy = make_strategy(params, sampler, ops)
+    strategy = make_strategy(params, sampler, ops, coupling(model) if temp > 0 and sampler is None else None)
     stops = set(tokenizer.eos_token_ids) | set(stop_tokens)
     start_record = getattr(model.target, "start_record", None)  # a sharded target (distributed.Driver)
     stats = SpeculativeStats(block_size, ops.path, adaptive=policy is not None, kernel_fallbacks=ops.fallbacks,
                              copy_proposals=copy_proposals, corpus_tokens=corpus_tokens(model.drafter),
-                             sharding=start_record() if start_record else None)
+                             sharding=start_record() if start_record else None, sampling=strategy.name)
     if prompt_cache is None:
         prompt_cache = DecodeCache.new(model.target, model.drafter, draft_window)
     detokenizer = tokenizer.detokenizer
@@ -166,6 +169,18 @@ def stream_generate(
         yield response(None)
     detokenizer.finalize()
     yield response("stop" if token in stops else "length")
+
+
+def couples(model: DFlashModel) -> bool:
+    """Whether the pair samples with ``Coupled``: not with a DFlash2 drafter, whose selector picks
+    among candidates the noise does not index (it keeps rejection sampling)."""
+    return model.drafter.architecture == Drafter.architecture
+
+
+def coupling(model: DFlashModel) -> tuple[int, int] | None:
+    """(seed, vocabulary size) for ``Coupled`` sampling, the seed drawn from MLX's global random
+    state (so ``mx.random.seed`` fixes the output, at any block size); None when it does not couple."""
+    return (random_seed(), model.target.vocab_size) if couples(model) else None
 
 
 def generate(

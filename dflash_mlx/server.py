@@ -88,7 +88,7 @@ def make_server(args: argparse.Namespace) -> Server:
     from .model import MAX_BLOCK_SIZE
 
     check_flags(args)
-    if args.block_size is None:  # a seeded request is reproducible at a fixed --block-size only
+    if args.block_size is None:  # coupled sampling keeps a seeded request's text at every block size
         args.block_size = "auto"
     defaults = {"temperature": args.temp, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
     metrics = Metrics()

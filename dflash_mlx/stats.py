@@ -49,6 +49,7 @@ class SpeculativeStats:
     corpus_tokens: int = 0  # the size of the drafter's corpus (0: it has none)
     drafted: int = 0  # accepted proposals the drafter made
     copy_steps: int = 0  # steps whose block held copied tokens
+    sampling: str = "greedy"  # the verify rule (sampling.py): greedy, coupled, rejection or match
 
     def record(self, step) -> None:
         """One draft-verify step (a ``decode.Step``)."""
@@ -118,6 +119,7 @@ def format_stats(response) -> str:
             + (f" ({s.copy_steps} steps held copies; {s.describe_corpus()})" if s.copy_proposals
                else " (copy proposals off)"),
             f"Acceptance histogram (tokens/step:count): {hist}",
+            *([f"Verify rule: {s.sampling}"] if s.sampling != "greedy" else []),
             *([f"Sharded: {s.sharding.describe()}"] if s.sharding else []),
             f"Peak memory: {response.peak_memory:.3f} GB",
         ]

@@ -32,21 +32,21 @@ def test_benchmark_tiny_pair(tiny_pair, tmp_path, capsys, block):
         assert max(used) == 4 and sum(used.values()) - used[4] <= 3 * 3
 
 
-def test_seeded_sampling_runs_a_fixed_block_of_at_most_four(tiny_pair, tmp_path, capsys):
-    assert default_block_size(None, 0.7, 0, 16) == SEEDED_BLOCK_SIZE == 4
-    assert default_block_size(None, 0.7, 0, 2) == 2  # never past the drafter's block
-    assert default_block_size(None, 0.0, 0, 16) == default_block_size(None, 0.7, None, 16) == "auto"
-    assert default_block_size(8, 0.7, 0, 16) == 8
+def test_seeded_sampling_block_sizes(tiny_pair, tmp_path, capsys):
+    # Coupled sampling keeps a seed's text at every block size: auto. Rejection sampling (DFlash2
+    # drafters) does not: a fixed block of at most 4.
+    assert default_block_size(None, 0.7, 0, 16) == default_block_size(None, 0.0, 0, 16) == "auto"
+    assert default_block_size(None, 0.7, 0, 16, coupled=False) == SEEDED_BLOCK_SIZE == 4
+    assert default_block_size(None, 0.7, 0, 2, coupled=False) == 2  # never past the drafter's block
+    assert default_block_size(None, 0.7, None, 16, coupled=False) == "auto"
+    assert default_block_size(8, 0.7, 0, 16, coupled=False) == 8
     target, draft = tiny_pair("qwen3")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello there"}) + "\n")
     out = tmp_path / "result.json"
     main(["benchmark", "--model", str(target), "--draft", str(draft), "--dataset", str(prompts), "--num-prompts", "1",
           "--max-tokens", "24", "--temp", "1", "--seed", "0", "--output", str(out)])
-    report = json.loads(out.read_text())
-    assert report["block_size"] == 4
-    assert max(int(b) for b in report["results"][0]["block_sizes"]) == 4
-    assert "block size 4" in capsys.readouterr().out
+    assert json.loads(out.read_text())["block_size"] == "auto" and "block size auto" in capsys.readouterr().out
 
 
 def test_benchmark_datasets_load():

@@ -1,0 +1,100 @@
+"""Sampled decoding side by side: mlx_lm, coupled sampling and rejection sampling, in one process.
+
+    python benchmarks/bench_sampling.py [--temp 0.7] [--top-p 1.0] [--num-prompts 4] [--max-tokens 96]
+        [--seeds 0 1] [--system coupled:4 coupled:auto rejection:4] [--output results.json]
+
+Built-in pair, chat prompts of GSM8K, HumanEval and MT-Bench. Every system runs every (prompt,
+seed) once, in an order rotated from prompt to prompt, so a busy spell of this shared machine falls
+on all of them. A system is ``RULE:BLOCK``: ``coupled`` (``sampling.Coupled``, what
+``stream_generate`` uses) or ``rejection`` (``sampling.Rejection``) at a fixed block size or
+``auto``. Reported per dataset: tokens/s, speedup over mlx_lm's sampled decoding with the same
+settings, and tau. Sampled outputs differ between systems (except coupled ones, which must agree
+with each other: checked), so this measures speed only; exactness is the tests' job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import dflash_mlx  # noqa: F401  (before mlx: it loads OpenBLAS)
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.sample_utils import make_sampler
+
+from dflash_mlx import kernels, load
+from dflash_mlx.adaptive import make_policy
+from dflash_mlx.benchmark import DATASETS, _chat, load_dataset
+from dflash_mlx.decode import speculative_decode
+from dflash_mlx.default import default_pair
+from dflash_mlx.sampling import SamplingParams, make_strategy
+
+
+def plain(model, tokenizer, prompt: list[int], params: SamplingParams, seed: int, max_tokens: int):
+    mx.random.seed(seed)
+    sampler = make_sampler(params.temp, top_p=params.top_p if params.top_p < 1 else 0.0)
+    tokens, tic = [], None
+    for response in mlx_lm.stream_generate(model.target.model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler):
+        tic = tic or time.perf_counter()  # from the first token on, as `dflash-mlx benchmark` times
+        tokens.append(response.token)
+    return tokens, time.perf_counter() - tic, len(tokens) - 1
+
+
+def ours(model, prompt: list[int], params: SamplingParams, seed: int, max_tokens: int, rule: str, block: str):
+    coupled = (seed, model.target.vocab_size) if rule == "coupled" else None
+    mx.random.seed(seed)
+    strategy = make_strategy(params, None, kernels.get_ops(), coupled)
+    block_size = make_policy(model) if block == "auto" else int(block)
+    tokens, tic, steps = [], None, 0
+    for step in speculative_decode(mx.array(prompt), model.target, model.drafter, strategy, block_size=block_size,
+                                   max_tokens=max_tokens):
+        tic = tic or time.perf_counter()
+        tokens += step.tokens
+        steps += 1
+    return tokens, time.perf_counter() - tic, steps - 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--temp", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--system", nargs="+", default=["coupled:4", "coupled:auto", "rejection:4"])
+    p.add_argument("--output", default=None)
+    args = p.parse_args()
+    model, tokenizer = load(*default_pair())
+    make_policy(model)  # calibrate once, before any timing
+    params = SamplingParams(args.temp, args.top_p)
+    systems = ["mlx_lm", *args.system]
+    results = {}
+    for dataset in DATASETS:
+        totals = {s: [0, 0.0, 0] for s in systems}  # tokens after the first, seconds, steps
+        for i, text in enumerate(load_dataset(dataset, args.num_prompts)):
+            prompt = _chat(tokenizer, text)
+            for seed in args.seeds:
+                texts = {}
+                for system in systems[i % len(systems):] + systems[: i % len(systems)]:
+                    if system == "mlx_lm":
+                        tokens, seconds, steps = plain(model, tokenizer, prompt, params, seed, args.max_tokens)
+                    else:
+                        tokens, seconds, steps = ours(model, prompt, params, seed, args.max_tokens, *system.split(":"))
+                        texts[system] = tokens
+                    for k, x in enumerate((len(tokens) - 1, seconds, steps)):
+                        totals[system][k] += x
+                coupled = [t for s, t in texts.items() if s.startswith("coupled")]
+                assert all(t == coupled[0] for t in coupled), f"{dataset} prompt {i} seed {seed}: coupled runs differ"
+        base = totals["mlx_lm"][0] / totals["mlx_lm"][1]
+        results[dataset] = {s: {"tps": round(n / t, 2), "speedup": round(n / t / base, 3), "tau": round(n / max(k, 1), 2)}
+                            for s, (n, t, k) in totals.items()}
+        print(dataset, json.dumps(results[dataset]), flush=True)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"temp": args.temp, "top_p": args.top_p, "num_prompts": args.num_prompts, "seeds": args.seeds,
+                       "max_tokens": args.max_tokens, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
