@@ -43,9 +43,9 @@ from mlx_lm.generate import StopSequences
 from . import kernels
 from .batch_adaptive import BatchBlockSize, make_batch_policy
 from .batch_cache import PromptCache
+from .batch_copies import RowCopies, propose_rows
 from .batch_prefill import PREFILL_STEP_SIZE, prefill_chunks
 from .batch_request import BatchRequest, TokenEvent
-from .batch_copies import RowCopies, propose_rows
 from .copying import corpus_tokens
 from .decode import LogitsProcessor, Step, apply_processors
 from .drafter import Drafter
