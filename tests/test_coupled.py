@@ -125,3 +125,31 @@ def test_batched_rows_equal_plain_coupled_decoding(tiny_pair):
             reference = reference[: reference.index(2) + 1]
         assert out[uid] == reference, (params, seed)
     assert engine.stats.ragged_steps > 0
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_nucleus_equals_mlx_lm_top_p(top_p):
+    """Verify rows find top-p's nucleus among their largest entries: the same cut as mlx_lm's full
+    sort, rows with ties included, up to the rounding of the mass (summed in another order, it
+    may move a token across the cut when the mass above it lies within 1e-5 of top_p); a row whose
+    nucleus is wider than the candidates falls back."""
+    from mlx_lm.sample_utils import apply_top_p
+
+    from dflash_mlx.sampling import NUCLEUS_CANDIDATES, nucleus
+
+    V = 4 * NUCLEUS_CANDIDATES
+    keys = mx.random.split(mx.random.key(5), 3)
+    peaked = mx.random.normal((6, V), key=keys[0]) * 4
+    tied = mx.round(mx.random.normal((3, V), key=keys[1]) * 4)
+    flat = mx.random.normal((1, V), key=keys[2]) * 0.1  # nucleus of most of the vocabulary
+    for rows in [peaked, tied, mx.concatenate([peaked[:2], flat])]:
+        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        expected, got = apply_top_p(logprobs, top_p), nucleus(logprobs, top_p)
+        moved = np.argwhere(np.array((expected == -mx.inf) != (got == -mx.inf)))
+        probs = np.exp(np.array(logprobs, np.float64))
+        for row, token in moved:  # only at the boundary: the mass above it is top_p, give or take rounding
+            above = probs[row][probs[row] > probs[row, token]].sum()
+            assert min(abs(above - top_p), abs(above + probs[row, token] - top_p)) < 1e-5
+        assert len(moved) <= rows.shape[0] // 2
+    kept = (nucleus(peaked - mx.logsumexp(peaked, axis=-1, keepdims=True), top_p) > -mx.inf).sum(axis=-1)
+    assert 1 <= kept.min().item() and kept.max().item() <= NUCLEUS_CANDIDATES  # the fast path ran
