@@ -209,9 +209,10 @@ def test_copies_off_proposes_none(family):
     assert responses[-1].stats.copied == 0 and "copy proposals off" in dflash_mlx.generation.format_stats(responses[-1])
 
 
-def test_sampling_with_copies_is_exact(tiny_pair):
+@pytest.mark.parametrize("rule", ["rejection", "coupled"])
+def test_sampling_with_copies_is_exact(tiny_pair, rule):
     """The second generated token follows the target's exact marginal while copy-only steps run,
-    copying from the text itself or from the drafter's corpus."""
+    copying from the text itself or from the drafter's corpus (coupled: a fresh seed per run)."""
     model, tokenizer = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
     target = model.target.model
     params = SamplingParams(temp=1.0)
@@ -241,11 +242,11 @@ def test_sampling_with_copies_is_exact(tiny_pair):
         def record(self, plan, drafted, copy, committed, seconds):
             self.copy_only += plan.copy and not plan.draft
 
-    strategy = make_strategy(params, None, get_ops())
     mx.random.seed(4321)
     counts, copy_steps, accepted, from_corpus, runs = np.zeros(len(first), int), 0, 0, 0, 600
     cache = DecodeCache.new(model.target, model.drafter)  # reused: each run prefills one token
-    for _ in range(runs):
+    for run in range(runs):
+        strategy = make_strategy(params, None, get_ops(), (run, len(first)) if rule == "coupled" else None)
         policy = CopyFirst()
         steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy, block_size=policy,
                                    max_tokens=4, prompt_cache=cache)
