@@ -20,25 +20,13 @@ import time
 
 import dflash_mlx  # noqa: F401  (before mlx: it loads OpenBLAS)
 import mlx.core as mx
-import mlx_lm
-from mlx_lm.sample_utils import make_sampler
 
 from dflash_mlx import kernels, load
 from dflash_mlx.adaptive import make_policy
-from dflash_mlx.benchmark import DATASETS, _chat, load_dataset
+from dflash_mlx.benchmark import DATASETS, _chat, load_dataset, plain_run
 from dflash_mlx.decode import speculative_decode
 from dflash_mlx.default import default_pair
 from dflash_mlx.sampling import SamplingParams, make_strategy
-
-
-def plain(model, tokenizer, prompt: list[int], params: SamplingParams, seed: int, max_tokens: int):
-    mx.random.seed(seed)
-    sampler = make_sampler(params.temp, top_p=params.top_p if params.top_p < 1 else 0.0)
-    tokens, tic = [], None
-    for response in mlx_lm.stream_generate(model.target.model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler):
-        tic = tic or time.perf_counter()  # from the first token on, as `dflash-mlx benchmark` times
-        tokens.append(response.token)
-    return tokens, time.perf_counter() - tic, len(tokens) - 1
 
 
 def ours(model, prompt: list[int], params: SamplingParams, seed: int, max_tokens: int, rule: str, block: str):
@@ -78,7 +66,9 @@ def main() -> None:
                 texts = {}
                 for system in systems[i % len(systems):] + systems[: i % len(systems)]:
                     if system == "mlx_lm":
-                        tokens, seconds, steps = plain(model, tokenizer, prompt, params, seed, args.max_tokens)
+                        run = plain_run(model.target.model, tokenizer, prompt, args.max_tokens, params.temp, seed,
+                                        params.top_p)
+                        tokens, seconds, steps = run.tokens, run.seconds, len(run.tokens) - 1
                     else:
                         tokens, seconds, steps = ours(model, prompt, params, seed, args.max_tokens, *system.split(":"))
                         texts[system] = tokens

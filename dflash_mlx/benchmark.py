@@ -172,7 +172,8 @@ def _profile(model, prompt: list[int], args: argparse.Namespace, result: Dataset
     from .sampling import SamplingParams, make_strategy
 
     ops = kernels.get_ops()
-    strategy = make_strategy(SamplingParams(args.temp, 1.0, 0, 0.0), None, ops, coupling(model) if args.temp > 0 else None)
+    params = SamplingParams(args.temp, 1.0, 0, 0.0)
+    strategy = make_strategy(params, None, ops, coupling(model, params))
     block = make_policy(model) if args.block_size == "auto" else args.block_size
     steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy, block_size=block,
                                max_tokens=args.max_tokens, profile=True, copy_proposals=args.copy_proposals)
@@ -182,15 +183,16 @@ def _profile(model, prompt: list[int], args: argparse.Namespace, result: Dataset
             result.verify_seconds.append(step.verify_seconds)
 
 
-def plain_run(target_model, tokenizer, prompt: list[int], max_tokens: int, temp: float, seed: int) -> Run:
+def plain_run(target_model, tokenizer, prompt: list[int], max_tokens: int, temp: float, seed: int,
+              top_p: float = 1.0) -> Run:
     """mlx_lm's own decoding of the target; on a sharded target every rank runs it."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
-    return _timed(mlx_lm.stream_generate(target_model, tokenizer, prompt, max_tokens=max_tokens,
-                                         sampler=make_sampler(temp)))[0]
+    sampler = make_sampler(temp, top_p=top_p if top_p < 1 else 0.0)
+    return _timed(mlx_lm.stream_generate(target_model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler))[0]
 
 
 def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: argparse.Namespace, progress=None) -> DatasetResult:

@@ -108,7 +108,7 @@ def stream_generate(
     prompt = encode_prompt(tokenizer, prompt)
     params = SamplingParams(temp, top_p, top_k, min_p)
     ops = kernels.get_ops(use_metal)
-    strategy = make_strategy(params, sampler, ops, coupling(model) if temp > 0 and sampler is None else None)
+    strategy = make_strategy(params, sampler, ops, coupling(model, params, sampler))
     stops = set(tokenizer.eos_token_ids) | set(stop_tokens)
     start_record = getattr(model.target, "start_record", None)  # a sharded target (distributed.Driver)
     stats = SpeculativeStats(block_size, ops.path, adaptive=policy is not None, kernel_fallbacks=ops.fallbacks,
@@ -177,10 +177,14 @@ def couples(model: DFlashModel) -> bool:
     return model.drafter.architecture == Drafter.architecture
 
 
-def coupling(model: DFlashModel) -> tuple[int, int] | None:
-    """(seed, vocabulary size) for ``Coupled`` sampling, the seed drawn from MLX's global random
-    state (so ``mx.random.seed`` fixes the output, at any block size); None when it does not couple."""
-    return (random_seed(), model.target.vocab_size) if couples(model) else None
+def coupling(model: DFlashModel, params: SamplingParams, sampler: Sampler | None = None) -> tuple[int, int] | None:
+    """``make_strategy``'s ``coupled``: (seed, vocabulary size) when ``params`` sample with
+    ``Coupled``, the seed drawn from MLX's global random state (so ``mx.random.seed`` fixes the
+    output, at any block size); None for greedy decoding, a custom sampler or a pair that does not
+    couple (no random state is drawn then)."""
+    if params.temp == 0 or sampler is not None or not couples(model):
+        return None
+    return random_seed(), model.target.vocab_size
 
 
 def generate(
