@@ -35,7 +35,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from dflash_mlx import DFlashModel, stream_generate  # noqa: E402
 from dflash_mlx.adaptive import make_policy  # noqa: E402
 from dflash_mlx.step_costs import cost_curve  # noqa: E402
-from dflash_mlx.drafter import Drafter  # noqa: E402
+from dflash_mlx.models import Drafter  # noqa: E402
 
 TEXT = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"

@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from dflash_mlx import stream_generate  # noqa: E402
 from dflash_mlx.benchmark import load_dataset  # noqa: E402
 from dflash_mlx.default import default_pair  # noqa: E402
-from dflash_mlx.drafter import load_drafter  # noqa: E402
+from dflash_mlx.models import load_drafter  # noqa: E402
 from dflash_mlx.model import DFlashModel  # noqa: E402
 from dflash_mlx.target import Target  # noqa: E402
 

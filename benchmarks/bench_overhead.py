@@ -40,7 +40,7 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from dflash_mlx import DFlashModel, load, stream_generate
 from dflash_mlx.adaptive import FixedBlockSize
 from dflash_mlx.default import default_pair
-from dflash_mlx.drafter import Drafter
+from dflash_mlx.models import Drafter
 from dflash_mlx.kernels import get_ops
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

@@ -21,8 +21,8 @@ import sys
 import mlx.core as mx
 import dflash_mlx
 from dflash_mlx.default import shipped_drafter
-from dflash_mlx.drafter import load_drafter
-from dflash_mlx.drafter import save_drafter
+from dflash_mlx.models import load_drafter
+from dflash_mlx.models import save_drafter
 save_drafter(load_drafter(sys.argv[1]), shipped_drafter(), mx.float16)
 PY
 

@@ -42,16 +42,16 @@ from mlx_lm.generate import StopSequences
 
 from . import kernels
 from .batch_adaptive import BatchBlockSize, make_batch_policy
-from .batch_cache import PromptCache
+from .cache.prompt import PromptCache
 from .batch_copies import RowCopies, propose_rows
 from .batch_prefill import PREFILL_STEP_SIZE, prefill_chunks
 from .batch_request import BatchRequest, TokenEvent
 from .copying import corpus_tokens
 from .decode import LogitsProcessor, Step, apply_processors
-from .drafter import Drafter
+from .models import Drafter
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
-from .ragged import RaggedKVCache
+from .cache.ragged import RaggedKVCache
 from .sampling import KeyedPicks, Sampler, SamplingParams, Strategy, make_strategy, random_seed, token_logprobs
 from .stats import EngineStats, SpeculativeStats
 

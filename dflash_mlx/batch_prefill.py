@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .ragged import RaggedKVCache
+from .cache.ragged import RaggedKVCache
 from .target import Target
 
 # Prompt tokens per prefill step of the batch engine: a request that joins running rows holds them

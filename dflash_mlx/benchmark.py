@@ -64,7 +64,7 @@ def load_dataset(name: str, num_prompts: int, gsm8k_path: Path | None = None, mt
     path = Path(name)
     if path.suffix != ".jsonl" or not path.is_file():
         raise DFlashError(f"unknown dataset {name!r}: use {', '.join(DATASETS)} or an existing .jsonl file")
-    from .data import PROMPT_KEYS
+    from .train.data import PROMPT_KEYS
 
     rows = _jsonl(path, num_prompts)
     missing = [i for i, r in enumerate(rows) if not any(k in r for k in PROMPT_KEYS)]
@@ -281,7 +281,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from . import BLAS, kernels
+    from . import BLAS
+    from . import kernels
     from .generation import couples
     from .model import load
 

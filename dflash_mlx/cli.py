@@ -60,7 +60,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def _build_prompt(tokenizer, args: argparse.Namespace) -> str:
-    from .request import render_chat
+    from .server.request import render_chat
 
     prompt = _read_prompt(args)
     system = None if args.system is None else _utf8(args.system, "--system")
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> None:
 
     from .generation import couples, stream_generate
     from .model import load
-    from .protocol import check_flags
+    from .server.protocol import check_flags
     from .stats import format_stats
 
     check_flags(args)

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from .adaptive import BlockPolicy, FixedBlockSize, Plan
 from .copying import CopyIndex, merge
-from .drafter import Drafter
+from .models import Drafter
 from .errors import DFlashError
 from .sampling import Strategy
 from .target import Target

@@ -125,7 +125,7 @@ def default_drafter() -> Path:
     import mlx.core as mx
 
     from .copying import CORPUS_FILE
-    from .drafter import load_drafter, save_drafter
+    from .models import load_drafter, save_drafter
 
     shipped = shipped_drafter()
     if not (shipped / "config.json").is_file():

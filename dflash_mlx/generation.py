@@ -13,7 +13,7 @@ from . import kernels
 from .adaptive import AdaptiveBlockSize, make_policy
 from .copying import corpus_tokens
 from .decode import DecodeCache, LogitsProcessor, speculative_decode
-from .drafter import Drafter
+from .models import Drafter
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
 from .sampling import Sampler, SamplingParams, make_strategy, random_seed

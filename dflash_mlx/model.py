@@ -14,7 +14,7 @@ import mlx_lm
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .checkpoint import check_weights, read_config, resolve
-from .drafter import Drafter, is_drafter_config, load_drafter
+from .models import Drafter, is_drafter_config, load_drafter
 from .errors import DFlashError, one_line
 from .target import Target
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from . import kernels
 from .model import DFlashModel
-from .ragged import RaggedKVCache
+from .cache.ragged import RaggedKVCache
 from .sampling import Greedy
 
 # 12 as well as the powers of two: with OpenBLAS on this 2-core x86 CPU a 16-row forward

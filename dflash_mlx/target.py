@@ -15,7 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .errors import DFlashError
-from .rollback import CachePolicy
+from .cache.rollback import CachePolicy
 
 # mlx_lm's Gemma models scale token embeddings by sqrt(hidden_size) inside the
 # forward (Gemma 3 after rounding the scale to bf16, as HF does); the drafter's

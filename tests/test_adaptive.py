@@ -12,7 +12,7 @@ from dflash_mlx.step_costs import CostCurve, calibrate, cost_curve
 from dflash_mlx.decode import DecodeCache, speculative_decode
 from dflash_mlx.kernels import get_ops
 from dflash_mlx.sampling import SamplingParams, make_strategy
-from dflash_mlx.draft_cache import ContextWindowCache
+from dflash_mlx.cache.window import ContextWindowCache
 
 # Step cost in units of one plain decoding step.
 STEEP = CostCurve(verify={1: 1.0, 2: 1.9, 4: 3.7, 8: 7.4, 16: 15.0}, draft={1: 0.0, 2: 0.3, 16: 0.6})

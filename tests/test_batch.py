@@ -25,10 +25,10 @@ from dflash_mlx.step_costs import CostCurve
 from dflash_mlx.batch import BatchEngine
 from dflash_mlx.batch_adaptive import BatchBlockSize, RowCostCurve, calibrate_rows
 from dflash_mlx.batch_prefill import prefill_chunks
-from dflash_mlx.drafter import Drafter
+from dflash_mlx.models import Drafter
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.kernels import get_ops
-from dflash_mlx.ragged import RaggedKVCache
+from dflash_mlx.cache.ragged import RaggedKVCache
 from dflash_mlx.sampling import SamplingParams, probabilities
 from dflash_mlx.target import Target
 

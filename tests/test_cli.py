@@ -229,7 +229,7 @@ def test_stale_build_folders_are_removed(tiny_pair, tmp_path):
 
 def test_corrupt_cached_build_is_rebuilt(tiny_pair, tmp_path, caplog):
     from dflash_mlx.default import _materialize
-    from dflash_mlx.drafter import load_drafter
+    from dflash_mlx.models import load_drafter
 
     _, draft = tiny_pair("qwen3")
     built, builds = tmp_path / "built", []

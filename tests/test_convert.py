@@ -22,7 +22,7 @@ from tiny import TARGETS, drafter_config, save_drafter
 gguf = pytest.importorskip("gguf")
 
 from dflash_mlx.convert import convert
-from dflash_mlx.recipe import load_recipe, shipped_recipes
+from dflash_mlx.convert.recipe import load_recipe, shipped_recipes
 from dflash_mlx.errors import DFlashError
 
 # fp32 conversion reorders no weight and rounds none, so the only difference to the float64
@@ -500,7 +500,7 @@ def drafter_source(tmp_path_factory):
 
 
 def test_drafter_fp32_and_bf16_sharded_convert_exactly(drafter_source, tmp_path):
-    from dflash_mlx.drafter import load_drafter
+    from dflash_mlx.models import load_drafter
 
     logits = drafter_source["logits"]
     convert(str(drafter_source["fp32"]), str(tmp_path / "fp32"))
@@ -519,7 +519,7 @@ def test_drafter_fp32_and_bf16_sharded_convert_exactly(drafter_source, tmp_path)
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_drafter_quantized_loads_and_stays_close(drafter_source, tmp_path, bits):
-    from dflash_mlx.drafter import load_drafter
+    from dflash_mlx.models import load_drafter
 
     result = convert(str(drafter_source["bf16"]), str(tmp_path / "q"), quantize=True, q_bits=bits, dtype="float32")
     config = json.loads((tmp_path / "q" / "config.json").read_text())
@@ -540,7 +540,7 @@ def test_a_drafter_corpus_is_converted_with_it(drafter_source, tmp_path):
     import shutil
 
     from dflash_mlx.copying import save_corpus
-    from dflash_mlx.drafter import load_drafter
+    from dflash_mlx.models import load_drafter
 
     src = tmp_path / "src"
     shutil.copytree(drafter_source["fp32"], src)
@@ -550,7 +550,7 @@ def test_a_drafter_corpus_is_converted_with_it(drafter_source, tmp_path):
 
 
 def test_drafter_recipes(drafter_source, tmp_path):
-    from dflash_mlx.drafter import load_drafter
+    from dflash_mlx.models import load_drafter
 
     keep = tmp_path / "keep.json"
     keep.write_text(json.dumps({"family": "drafter", "rules": [{"pattern": "^fc$", "keep": True},

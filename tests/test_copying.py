@@ -64,7 +64,7 @@ def test_a_corpus_match_is_proposed_where_it_is_longer():
 
 
 def test_a_drafter_folder_keeps_its_corpus(tiny_pair, tmp_path):
-    from dflash_mlx.drafter import load_drafter, save_drafter
+    from dflash_mlx.models import load_drafter, save_drafter
 
     drafter = load_drafter(str(tiny_pair("qwen3")[1]))
     assert drafter.corpus is None

@@ -240,7 +240,7 @@ def test_a_single_process_imports_nothing_distributed(tiny_pair):
         "import sys, dflash_mlx\n"
         f"pair, _ = dflash_mlx.load({str(target)!r}, {str(draft)!r})\n"
         "assert type(pair.target).__name__ == 'Target', type(pair.target)\n"
-        "assert not {'dflash_mlx.distributed', 'dflash_mlx.control'} & set(sys.modules), 'imported'\n"
+        "assert not {'dflash_mlx.distributed', 'dflash_mlx.distributed.control'} & set(sys.modules), 'imported'\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("MLX_RANK", "MLX_HOSTFILE")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

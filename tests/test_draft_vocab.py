@@ -15,7 +15,7 @@ from tiny import TARGETS, drafter_config, save_target
 import dflash_mlx
 from dflash_mlx import DFlashModel, kernels
 from dflash_mlx.convert import convert
-from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter, save_drafter
+from dflash_mlx.models import Drafter, DrafterArgs, load_drafter, save_drafter
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.kernels import rejection_accept_twin
 from dflash_mlx.sampling import Greedy, Rejection, SamplingParams, probabilities

@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 from tiny import TARGETS, drafter_config, save_drafter
 
-from dflash_mlx.drafter import default_target_layer_ids, load_drafter
+from dflash_mlx.models import default_target_layer_ids, load_drafter
 from dflash_mlx.kernels import get_ops
 
 OPS = get_ops(False)
@@ -209,7 +209,7 @@ def test_layout_keys_are_read_where_each_layout_puts_them(tmp_path):
 
 
 def test_sliding_window_cache_keeps_the_last_rows_in_position_order():
-    from dflash_mlx.draft_cache import SlidingWindowCache
+    from dflash_mlx.cache.window import SlidingWindowCache
 
     cache = SlidingWindowCache(window=5)  # holds the last 4 rows
     rows = lambda a, b: mx.arange(a, b, dtype=mx.float32).reshape(1, 1, -1, 1)  # noqa: E731

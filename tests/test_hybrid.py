@@ -23,10 +23,10 @@ from tiny import EOS_ID, VOCAB, OracleDrafter, ScriptedPolicy, drafter_config, s
 import dflash_mlx
 from dflash_mlx import stream_generate
 from dflash_mlx.decode import DecodeCache, speculative_decode
-from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter
+from dflash_mlx.models import Drafter, DrafterArgs, load_drafter
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.kernels import get_ops
-from dflash_mlx.rollback import WindowKVCache
+from dflash_mlx.cache.rollback import WindowKVCache
 from dflash_mlx.sampling import SamplingParams, Strategy, make_strategy, probabilities
 from dflash_mlx.target import Target
 

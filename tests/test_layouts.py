@@ -19,7 +19,7 @@ from dflash_mlx import stream_generate
 from dflash_mlx.cli import main
 from dflash_mlx.convert import convert
 from dflash_mlx.decode import speculative_decode
-from dflash_mlx.drafter import load_drafter
+from dflash_mlx.models import load_drafter
 from dflash_mlx.kernels import get_ops, rejection_accept_twin
 from dflash_mlx.model import DFlashModel
 from dflash_mlx.sampling import Greedy, Rejection, SamplingParams, probabilities
@@ -185,7 +185,7 @@ def mlx_lm_greedy(pair, prompt, n):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_save_drafter_round_trips_every_layout(released_drafters, layout, tmp_path):
-    from dflash_mlx.drafter import save_drafter
+    from dflash_mlx.models import save_drafter
 
     folder = released_drafters[2][layout]
     loaded = load_drafter(str(folder))

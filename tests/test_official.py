@@ -25,7 +25,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from tiny import EOS_ID, LAYOUT_PROMPTS, LAYOUTS, SLIDING_WINDOW
 
 from dflash_mlx.decode import speculative_decode
-from dflash_mlx.drafter import load_drafter
+from dflash_mlx.models import load_drafter
 from dflash_mlx.kernels import get_ops
 from dflash_mlx.model import DFlashModel
 from dflash_mlx.sampling import Greedy

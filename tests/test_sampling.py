@@ -15,7 +15,7 @@ from stats import ALPHA, chi_square_p_value
 import dflash_mlx
 from dflash_mlx import stream_generate
 from dflash_mlx.decode import speculative_decode
-from dflash_mlx.drafter import Drafter
+from dflash_mlx.models import Drafter
 from dflash_mlx.kernels import get_ops, rejection_accept_twin
 from dflash_mlx.sampling import SamplingParams, make_strategy, probabilities
 

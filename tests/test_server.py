@@ -12,7 +12,7 @@ import pytest
 
 import dflash_mlx
 from dflash_mlx import stream_generate
-from dflash_mlx.responses import StopMatcher
+from dflash_mlx.server.reply import StopMatcher
 from dflash_mlx.server import add_arguments, close, make_server
 from tiny import NO_EOS
 

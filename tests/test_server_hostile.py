@@ -18,7 +18,7 @@ import pytest
 import dflash_mlx
 from dflash_mlx import stream_generate
 from dflash_mlx.server import add_arguments, close, make_server
-from dflash_mlx.transport import MAX_BODY_BYTES
+from dflash_mlx.server.http import MAX_BODY_BYTES
 
 NORMAL = [{"role": "user", "content": "Say something."}]
 CHAT = "/v1/chat/completions"

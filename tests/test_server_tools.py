@@ -20,8 +20,8 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tiny import EOS_ID, SPECIALS, VOCAB, drafter_config, save_drafter, save_tokenizer
 from tokenizers import AddedToken, Tokenizer
 
-from dflash_mlx.request import GenerationParams, Request
-from dflash_mlx.responses import Reply
+from dflash_mlx.server.request import GenerationParams, Request
+from dflash_mlx.server.reply import Reply
 from dflash_mlx.server import add_arguments, close, make_server
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'

@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from dflash_mlx.request import GenerationParams
-from dflash_mlx.transport import App, Server
-from dflash_mlx.worker import End, Job, Metrics, Unavailable, Worker
+from dflash_mlx.server.request import GenerationParams
+from dflash_mlx.server.http import App, Server
+from dflash_mlx.server.worker import End, Job, Metrics, Unavailable, Worker
 
 
 class Response:  # the fields of a GenerationResponse the worker reads

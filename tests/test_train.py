@@ -15,9 +15,10 @@ from mlx.utils import tree_flatten
 from tiny import EOS_ID, TARGETS, drafter_config, save_target, save_tokenizer
 
 from dflash_mlx import kernels
-from dflash_mlx import data, train
+from dflash_mlx import train
+from dflash_mlx.train import data
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter
+from dflash_mlx.models import Drafter, DrafterArgs, load_drafter
 from dflash_mlx.target import Target
 from dflash_mlx.train import training_hidden
 

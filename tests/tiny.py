@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten, tree_map
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from dflash_mlx.adaptive import PLAIN, Acceptance, Plan
-from dflash_mlx.drafter import Drafter, drafter_classes
+from dflash_mlx.models import Drafter, drafter_classes
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<mask>"]
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 
-from .errors import DFlashError, one_line
+from ..errors import DFlashError, one_line
 from .jobs import End, Job
 from .request import GenerationParams
 
@@ -154,8 +154,8 @@ class Worker(threading.Thread):
                 job.events.put(End(self.error or SHUTTING_DOWN, 503))
 
     def _load(self) -> None:
-        from .step_costs import cost_curve
-        from .model import load
+        from ..step_costs import cost_curve
+        from ..model import load
 
         # Under mlx.launch only rank 0 returns (and serves); the other ranks follow it inside load.
         self.model, self.tokenizer = load(self.args.model, self.args.draft, getattr(self.args, "chat_template", None),
@@ -166,8 +166,8 @@ class Worker(threading.Thread):
         elif concurrency > 1 and self.args.draft_window:
             self.metrics.batching = "--draft-window bounds the drafter of one-at-a-time decoding only"
         elif concurrency > 1:
-            from .batch import BatchEngine, batch_refusal
-            from .batch_prefill import PREFILL_STEP_SIZE
+            from ..batch import BatchEngine, batch_refusal
+            from ..batch_prefill import PREFILL_STEP_SIZE
 
             self.metrics.batching = batch_refusal(self.model, concurrency)
             if self.metrics.batching is None:
@@ -245,7 +245,7 @@ class Worker(threading.Thread):
         job.events.put(End(job.reason, 503) if job.reason else End())
 
     def _cache(self):
-        from .decode import DecodeCache
+        from ..decode import DecodeCache
 
         if self.prompt_cache is None:
             self.prompt_cache = DecodeCache.new(self.model.target, self.model.drafter, self.args.draft_window)
@@ -270,7 +270,7 @@ class Worker(threading.Thread):
     def _generate(self, job: Job) -> None:
         import mlx.core as mx
 
-        from .generation import stream_generate
+        from ..generation import stream_generate
 
         p = job.params
         kwargs = self._arguments(p)

@@ -1,6 +1,6 @@
 """Conversion recipes: which layers `dflash-mlx convert` quantizes, and how (see convert/README.md).
 
-A recipe is JSON data (shipped ones live in convert/, as the `dflash_mlx.recipes` package); it
+A recipe is JSON data (shipped ones live in convert/, as the `dflash_mlx.convert.recipes` package); it
 becomes the `quant_predicate` mlx_lm's quantization takes.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 _RULE_KEYS = {"pattern", "layers", "keep", "bits", "group_size", "mode"}
@@ -39,7 +39,7 @@ def load_recipe(name_or_path: str) -> dict:
             raise DFlashError(f"recipe file {path} does not exist; fix: pass a shipped recipe name or a JSON file")
         text, where = path.read_text(), str(path)
     else:
-        shipped = importlib.resources.files("dflash_mlx.recipes").joinpath(f"{name_or_path}.json")
+        shipped = importlib.resources.files("dflash_mlx.convert.recipes").joinpath(f"{name_or_path}.json")
         if not shipped.is_file():
             raise DFlashError(
                 f"unknown recipe {name_or_path!r}; fix: use one of {', '.join(shipped_recipes())} "
@@ -57,7 +57,7 @@ def load_recipe(name_or_path: str) -> dict:
 
 def shipped_recipes() -> list[str]:
     """Names of the recipes that ship with the package."""
-    files = importlib.resources.files("dflash_mlx.recipes").iterdir()
+    files = importlib.resources.files("dflash_mlx.convert.recipes").iterdir()
     return sorted(f.name[: -len(".json")] for f in files if f.name.endswith(".json"))
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .errors import DFlashError
+from ..errors import DFlashError
 from .recipe import Q_MODES, Options, QuantPredicate, load_recipe, make_quant_predicate
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -91,8 +91,8 @@ def _convert_drafter(src: Path, config: dict, out: Path, opts: Options, predicat
     import mlx.core as mx
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    from .copying import save_corpus
-    from .drafter import load_drafter
+    from ..copying import save_corpus
+    from ..models import load_drafter
 
     try:
         drafter = load_drafter(str(src))  # parameter names are the released checkpoint's names
@@ -185,8 +185,8 @@ def verify_drafter(path: Path) -> float:
     def forward():
         import mlx.core as mx
 
-        from .drafter import load_drafter
-        from .kernels import get_ops
+        from ..models import load_drafter
+        from ..kernels import get_ops
 
         drafter = load_drafter(str(path))
         args, dtype = drafter.args, drafter.norm.weight.dtype
@@ -295,8 +295,8 @@ def convert(
     A `recipe` (shipped name or JSON path) implies quantization. The source is never modified;
     `mlx_path` is only replaced (with `force`) once the new folder is complete and loads.
     """
-    from .checkpoint import load_weights, read_config, resolve
-    from .drafter import is_drafter_config
+    from ..checkpoint import load_weights, read_config, resolve
+    from ..models import is_drafter_config
     from .gguf import GGUFFile, is_gguf
 
     opts = _resolve_options(quantize, q_bits, q_group_size, q_mode, dtype, recipe)

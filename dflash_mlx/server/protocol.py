@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import DFlashError, one_line
-from .flags import INT64, mlx_seed
+from ..errors import DFlashError, one_line
+from ..flags import INT64, mlx_seed
 
 MAX_DEPTH = 32  # JSON nesting; tool schemas are the deepest part of a real request
 MAX_MESSAGES = 4096

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from .errors import one_line
+from ..errors import one_line
 from .request import Request
 
 

@@ -44,7 +44,7 @@ import mlx_lm
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from .errors import DFlashError
+from ..errors import DFlashError
 from .ragged import RaggedKVCache
 
 SUPPORTED = (

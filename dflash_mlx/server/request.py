@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import DFlashError, one_line
+from ..errors import DFlashError, one_line
 from .protocol import ROLES, RequestError, ServerInfo, decode_json, read_fields
 
 

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import DFlashError, one_line
-from .flags import add_block_arguments, add_sampling_arguments, add_sharding_arguments, port_arg, positive_int
+from ..errors import DFlashError, one_line
+from ..flags import add_block_arguments, add_sampling_arguments, add_sharding_arguments, port_arg, positive_int
 from .protocol import ServerInfo, check_flags
-from .transport import App, Server
+from .http import App, Server
 from .worker import Metrics, Worker
 
 DRAIN_SECONDS = 10.0  # how long a shutdown waits for handlers to write their last bytes
@@ -85,7 +85,7 @@ def make_server(args: argparse.Namespace) -> Server:
     """Bind, then load the model on the worker thread; the server is ready but not yet serving."""
     import mlx.core as mx
 
-    from .model import MAX_BLOCK_SIZE
+    from ..model import MAX_BLOCK_SIZE
 
     check_flags(args)
     if args.block_size is None:  # coupled sampling keeps a seeded request's text at every block size

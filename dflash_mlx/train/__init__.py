@@ -35,12 +35,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .copying import corpus_index
+from ..copying import corpus_index
 from .data import cached_hidden, draft_vocabulary, generate_responses, load_prompts, make_batch, sequences
-from .drafter import Attention, Drafter, DrafterArgs, default_target_layer_ids, load_drafter, save_drafter
-from .errors import DFlashError
-from .model import check_pair, load_target
-from .target import Target
+from ..models import Attention, Drafter, DrafterArgs, default_target_layer_ids, load_drafter, save_drafter
+from ..errors import DFlashError
+from ..model import check_pair, load_target
+from ..target import Target
 
 # Loss decay per block size from the paper; other sizes interpolate (B / 2.2).
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -229,8 +229,8 @@ def default_mask_token(tokenizer) -> int:
 
 def evaluate_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[str], max_tokens: int, progress=None) -> dict:
     """Real greedy DFlash generations on held-out prompts: tau = tokens / steps."""
-    from .generation import stream_generate
-    from .model import DFlashModel
+    from ..generation import stream_generate
+    from ..model import DFlashModel
 
     model = DFlashModel(target, drafter)
     lengths: list[int] = []
@@ -326,7 +326,7 @@ def run(args: argparse.Namespace) -> None:
         raise DFlashError(f"--block-size {args.block_size} leaves nothing to draft: use 2 or more")
     model_path = args.model
     if model_path is None:
-        from .default import default_target
+        from ..default import default_target
 
         model_path = str(default_target())
     model, tokenizer = load_target(model_path)  # one-line errors for a bad path or architecture

@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from .batch import BatchEngine, TokenEvent
-from .generation import GenerationResponse
+from ..batch import BatchEngine, TokenEvent
+from ..generation import GenerationResponse
 from .jobs import End, Job
-from .stats import SpeculativeStats
+from ..stats import SpeculativeStats
 
 
 @dataclass

@@ -28,12 +28,12 @@ from typing import Iterator
 import mlx.core as mx
 import numpy as np
 
-from .errors import DFlashError
-from .target import Target
+from ..errors import DFlashError
+from ..target import Target
 
 # Benchmarks draw GSM8K prompts from the start of the file; training never sees these.
 GSM8K_HELD_OUT = 1000
-DEFAULT_GSM8K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+DEFAULT_GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
 PROMPT_KEYS = ("prompt", "question", "instruction", "text")
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 # -- block attention ---------------------------------------------------------
@@ -160,13 +160,13 @@ Runner = Callable[[Launch], Sequence[mx.array]]
 
 
 def metal_source(filename: str) -> str:
-    """Text of a file in ``metal/`` (the ``dflash_mlx.metal`` package once installed)."""
+    """Text of a file in ``metal/`` (the ``dflash_mlx.kernels.metal`` package once installed)."""
     try:
-        return importlib.resources.files("dflash_mlx.metal").joinpath(filename).read_text()
+        return importlib.resources.files("dflash_mlx.kernels.metal").joinpath(filename).read_text()
     except ModuleNotFoundError:
-        # A plain source checkout has no dflash_mlx.metal: the package-dir
+        # A plain source checkout has no dflash_mlx.kernels.metal: the package-dir
         # mapping only exists once setuptools has installed the project.
-        return (Path(__file__).resolve().parent.parent / "metal" / filename).read_text()
+        return (Path(__file__).resolve().parents[2] / "metal" / filename).read_text()
 
 
 def build_kernel(name: str, source: str | None = None, header: str | None = None) -> Callable:

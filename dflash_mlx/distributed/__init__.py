@@ -44,11 +44,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .checkpoint import resolve
+from ..checkpoint import resolve
 from .control import Control, fault
-from .errors import DFlashError
-from .stats import ShardingStats
-from .target import Target
+from ..errors import DFlashError
+from ..stats import ShardingStats
+from ..target import Target
 
 CALIBRATION_ROWS = (1, 32)  # hidden-state rows of the all_sums timed at load
 CALIBRATION_REPEATS = 3

@@ -18,10 +18,10 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import kernels
-from .draft_cache import ContextWindowCache, SlidingWindowCache
-from .errors import DFlashError
-from .ragged import RaggedKVCache
+from .. import kernels
+from ..cache.window import ContextWindowCache, SlidingWindowCache
+from ..errors import DFlashError
+from ..cache.ragged import RaggedKVCache
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Sizes that must be positive integers; the rest of the fields are checked by type only.

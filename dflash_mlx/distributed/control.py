@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 HEARTBEAT = 1.0  # seconds between heartbeats
 TIMEOUT = 15.0  # seconds of silence after which a peer counts as stalled

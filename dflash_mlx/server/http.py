@@ -26,11 +26,11 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
-from .errors import one_line
+from ..errors import one_line
 from .jobs import End, Job
 from .protocol import RequestError, ServerInfo, decode_json, error_body
 from .request import Request, parse_request
-from .responses import Reply
+from .reply import Reply
 from .worker import Metrics, Unavailable, Worker
 
 MAX_BODY_BYTES = 16 * 2**20

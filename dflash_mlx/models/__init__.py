@@ -16,11 +16,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .checkpoint import load_weights, read_config, resolve
-from .copying import load_corpus, save_corpus
+from ..checkpoint import load_weights, read_config, resolve
+from ..copying import load_corpus, save_corpus
 from .dflash import Attention, Drafter, DrafterArgs, config_error, default_target_layer_ids
 from .dflash2 import DFlash2Args, DFlash2Drafter
-from .errors import DFlashError
+from ..errors import DFlashError
 
 __all__ = [
     "Attention", "Drafter", "DrafterArgs", "default_target_layer_ids", "is_drafter_config",
