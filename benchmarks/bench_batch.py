@@ -6,7 +6,7 @@ At each concurrency c, c requests (the first c MT-Bench questions, chat
 template applied, greedy) arrive together and run to completion, on the
 built-in pair (``dflash_mlx.default.default_pair``), for each system:
 
-- ``batched``: ``BatchEngine`` with up to c rows (``--block-size``, default auto);
+- ``batched``: the ``Engine`` with up to c rows (``--block-size``, default auto);
 - ``serial``: our ``stream_generate``, one request after another (what
   ``dflash-mlx serve`` does today);
 - ``mlx_lm``: mlx_lm's ``BatchGenerator`` decoding the same target plainly,
@@ -46,14 +46,14 @@ import dflash_mlx
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step, generation_stream
 
-from dflash_mlx import DFlashModel, stream_generate
-from dflash_mlx.batch import BatchEngine
-from dflash_mlx.batch_adaptive import make_batch_policy, row_cost_curve
+from dflash_mlx import DFlashModel, Engine, stream_generate
 from dflash_mlx.benchmark import load_dataset
+from dflash_mlx.costs import costs
 from dflash_mlx.default import default_pair
+from dflash_mlx.engine import make_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from tiny import RowOracleDrafter  # noqa: E402
+from tiny import OracleDrafter  # noqa: E402
 
 
 # Each system is a generator that does one unit of work per next() and yields
@@ -62,10 +62,10 @@ from tiny import RowOracleDrafter  # noqa: E402
 
 def batched(model, prompts, eos, max_tokens, block_size, stats, oracle=None, refs=None, wrong_every=0):
     if block_size == "auto":  # the pair's calibration, also for the oracle's pair
-        block_size = make_batch_policy(model)
+        block_size = make_policy(model, "auto")
     if oracle is not None:
         model = DFlashModel(model.target, oracle)
-    engine = BatchEngine(model, block_size=block_size, completion_batch_size=len(prompts))
+    engine = Engine(model, block_size=block_size, max_rows=len(prompts))
     index = {engine.add(p, max_tokens=max_tokens, stop_tokens=eos): i for i, p in enumerate(prompts)}
     if oracle is not None:
         oracle.engine = engine
@@ -136,7 +136,7 @@ def main():
     p.add_argument("--serial-block-size", type=int, default=4, help="block size of the one-at-a-time runs")
     p.add_argument("--dataset", default="mt-bench", help="mt-bench, gsm8k or humaneval")
     p.add_argument("--also", action="append", default=[], metavar="NAME=SPEC",
-                   help="another batch engine in the race: a block size or make_batch_policy's JSON kwargs")
+                   help="another engine in the race: a block size or BlockPolicy's JSON kwargs (auto)")
     p.add_argument("--oracle", type=int, default=0, metavar="N",
                    help="also run the engine with an oracle drafter wrong at every N-th position (0: off)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "batch.json")
@@ -149,14 +149,14 @@ def main():
     also = {name: spec for name, spec in (a.split("=", 1) for a in args.also)}
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
                for q in questions]
-    curve = row_cost_curve(model) if block_size == "auto" else None
+    table = costs(model).ready(max(args.concurrency)) if block_size == "auto" else None
     # Warm-up: first calls pay for allocation and graph setup.
     race({"batched": batched(model, prompts[:2], eos, 8, block_size, {}),
           "mlx_lm": plain_batched(model, prompts[:2], eos, 8, {})}, 2)
 
     oracle, refs = None, None
     if args.oracle:
-        oracle = RowOracleDrafter(model.drafter)
+        oracle = OracleDrafter(model.drafter)
         refs = []  # mlx_lm's own greedy answers, one request at a time
         for prompt in prompts:
             refs.append([])
@@ -174,7 +174,7 @@ def main():
             "mlx_lm": plain_batched(model, ps, eos, args.max_tokens, extras["mlx_lm"]),
         }
         for name, spec in also.items():
-            spec_block = int(spec) if spec.isdigit() else make_batch_policy(model, **json.loads(spec))
+            spec_block = int(spec) if spec.isdigit() else make_policy(model, "auto", **json.loads(spec))
             systems[name] = batched(model, ps, eos, args.max_tokens, spec_block, extras[name])
         if oracle is not None:
             systems["oracle"] = batched(model, ps, eos, args.max_tokens, block_size, extras["oracle"],
@@ -199,8 +199,8 @@ def main():
         max_tokens=args.max_tokens, block_size=args.block_size, serial_block_size=args.serial_block_size,
         oracle_wrong_every=args.oracle,
         results=results, peak_memory_gb=mx.get_peak_memory() / 1e9,
-        cost_curve=None if curve is None else {
-            rows: {"verify": c.verify, "draft": c.draft} for rows, c in curve.curves.items()
+        costs=None if table is None else {
+            "rows": {r: {"verify": c.verify, "draft": c.draft} for r, c in table.rows.items()}, "per_key": table.per_key,
         },
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)

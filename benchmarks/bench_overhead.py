@@ -38,7 +38,7 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
 from dflash_mlx import DFlashModel, load, stream_generate
-from dflash_mlx.adaptive import FixedBlockSize
+from dflash_mlx.policy import BlockPolicy
 from dflash_mlx.default import default_pair
 from dflash_mlx.models import Drafter
 from dflash_mlx.kernels import get_ops
@@ -108,7 +108,7 @@ def main() -> None:
     cache, draft_cache = target.make_cache(), random_drafter.make_cache()
     _, hidden = target.prefill(tokens[:context], cache)
     head = target.head(random_drafter.vocab_rows)
-    random_drafter(target.embed(tokens[:2])[None], hidden[:, :-2], draft_cache, head, ops)
+    random_drafter.absorb(hidden[:, :-2], draft_cache)
     mx.eval([c.state for c in cache])
 
     def verify(B):
@@ -123,7 +123,7 @@ def main() -> None:
             c.trim(2)
 
     def no_run_ahead():
-        with mock.patch.object(FixedBlockSize, "expects_plain", lambda self: False):
+        with mock.patch.object(BlockPolicy, "expects_plain", lambda self, rows: False):
             return dflash(1)
 
     plain()  # warm-up

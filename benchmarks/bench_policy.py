@@ -1,5 +1,5 @@
-"""Block policies side by side in one process: mlx_lm, auto as shipped, auto with observed step
-times (``timed=True``), and auto that never decodes plainly.
+"""Block policies side by side in one process: mlx_lm, auto as shipped, and auto that never decodes
+plainly.
 
     python benchmarks/bench_policy.py [--num-prompts 5] [--out FILE]
 
@@ -18,18 +18,18 @@ import argparse
 from side_by_side import report
 
 import dflash_mlx  # before mlx: it loads OpenBLAS
-from dflash_mlx.adaptive import AdaptiveBlockSize, _fastest
-from dflash_mlx.step_costs import cost_curve
+from dflash_mlx.costs import costs
 from dflash_mlx.default import default_pair
+from dflash_mlx.policy import BlockPolicy
 
 
-class NeverPlain(AdaptiveBlockSize):
+class NeverPlain(BlockPolicy):
     """The adaptive policy with plain decoding taken out of its options."""
 
-    def plan(self, copy, merge):
-        return _fastest(self._options(copy, merge)[1:])
+    def plan(self, rows):
+        return max(self._options(rows)[1:], key=lambda option: option[0])[1]
 
-    def expects_plain(self) -> bool:
+    def expects_plain(self, rows) -> bool:
         return False
 
 
@@ -39,12 +39,11 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model, tokenizer = dflash_mlx.load(*default_pair())
-    curve, B = cost_curve(model), model.block_size
-    print("verify ms", {b: round(1e3 * s) for b, s in curve.verify.items()}, flush=True)
+    table, B = costs(model), model.block_size
+    print("verify ms", {b: round(1e3 * s) for b, s in table.table.rows[1].verify.items()}, flush=True)
     policies = {  # a fresh policy per prompt, as "auto" makes
-        "auto": lambda: AdaptiveBlockSize(curve, B),
-        "timed": lambda: AdaptiveBlockSize(curve, B, timed=True),
-        "never plain": lambda: NeverPlain(curve, B),
+        "auto": lambda: BlockPolicy(B, table),
+        "never plain": lambda: NeverPlain(B, table),
     }
     report(model, tokenizer, policies, args.num_prompts, args.out)
 

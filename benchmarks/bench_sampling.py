@@ -1,13 +1,13 @@
-"""Sampled decoding side by side: mlx_lm, coupled sampling and rejection sampling, in one process.
+"""Sampled decoding side by side: mlx_lm and coupled sampling at several block sizes, in one process.
 
     python benchmarks/bench_sampling.py [--temp 0.7] [--top-p 1.0] [--num-prompts 4] [--max-tokens 96]
-        [--seeds 0 1] [--system coupled:4 coupled:auto rejection:4] [--output results.json]
+        [--seeds 0 1] [--system coupled:4 coupled:auto] [--output results.json]
 
 Built-in pair, chat prompts of GSM8K, HumanEval and MT-Bench. Every system runs every (prompt,
 seed) once, in an order rotated from prompt to prompt, so a busy spell of this shared machine falls
-on all of them. A system is ``RULE:BLOCK``: ``coupled`` (``sampling.Coupled``, what
-``stream_generate`` uses) or ``rejection`` (``sampling.Rejection``) at a fixed block size or
-``auto``. Reported per dataset: tokens/s, speedup over mlx_lm's sampled decoding with the same
+on all of them. A system is ``coupled:BLOCK`` (``sampling.Coupled``, the rule of DFlash drafters) at
+a fixed block size or ``auto``; earlier runs against rejection sampling, which DFlash2 drafters keep,
+are in benchmarks/results/README.md. Reported per dataset: tokens/s, speedup over mlx_lm's sampled decoding with the same
 settings, and tau. Sampled outputs differ between systems (except coupled ones, which must agree
 with each other: checked), so this measures speed only; exactness is the tests' job.
 """
@@ -21,26 +21,24 @@ import time
 import dflash_mlx  # noqa: F401  (before mlx: it loads OpenBLAS)
 import mlx.core as mx
 
-from dflash_mlx import kernels, load
-from dflash_mlx.adaptive import make_policy
+from dflash_mlx import Engine, load
 from dflash_mlx.benchmark import DATASETS, _chat, load_dataset, plain_run
-from dflash_mlx.decode import speculative_decode
+from dflash_mlx.costs import costs
 from dflash_mlx.default import default_pair
-from dflash_mlx.sampling import SamplingParams, make_strategy
+from dflash_mlx.sampling import SamplingParams
 
 
 def ours(model, prompt: list[int], params: SamplingParams, seed: int, max_tokens: int, rule: str, block: str):
-    coupled = (seed, model.target.vocab_size) if rule == "coupled" else None
-    mx.random.seed(seed)
-    strategy = make_strategy(params, None, kernels.get_ops(), coupled)
-    block_size = make_policy(model) if block == "auto" else int(block)
-    tokens, tic, steps = [], None, 0
-    for step in speculative_decode(mx.array(prompt), model.target, model.drafter, strategy, block_size=block_size,
-                                   max_tokens=max_tokens):
-        tic = tic or time.perf_counter()
-        tokens += step.tokens
-        steps += 1
-    return tokens, time.perf_counter() - tic, steps - 1
+    assert rule == "coupled", "DFlash drafters sample with the coupled rule"
+    engine = Engine(model, block_size=block if block == "auto" else int(block), max_rows=1)
+    engine.add(prompt, max_tokens=max_tokens, temp=params.temp, top_p=params.top_p, seed=seed)
+    tokens, tic, stats = [], None, None
+    while not engine.idle:
+        for event in engine.step():
+            tic = tic or time.perf_counter()
+            tokens.append(event.token)
+            stats = event.stats or stats
+    return tokens, time.perf_counter() - tic, len(stats.acceptance_lengths)
 
 
 def main() -> None:
@@ -50,11 +48,11 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--system", nargs="+", default=["coupled:4", "coupled:auto", "rejection:4"])
+    p.add_argument("--system", nargs="+", default=["coupled:4", "coupled:auto"])
     p.add_argument("--output", default=None)
     args = p.parse_args()
     model, tokenizer = load(*default_pair())
-    make_policy(model)  # calibrate once, before any timing
+    costs(model)  # calibrate once, before any timing
     params = SamplingParams(args.temp, args.top_p)
     systems = ["mlx_lm", *args.system]
     results = {}

@@ -12,14 +12,15 @@ from .errors import DFlashError
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "BatchEngine": "batch",
-    "BatchResponse": "batch_generation",
-    "batch_generate": "batch_generation",
     "DFlashModel": "model",
     "load": "model",
+    "Engine": "engine",
+    "PromptCache": "cache.prompt",
     "GenerationResponse": "generation",
     "generate": "generation",
     "stream_generate": "generation",
+    "BatchResponse": "generation",
+    "batch_generate": "generation",
 }
 
 __all__ = ["DFlashError", *_EXPORTS]

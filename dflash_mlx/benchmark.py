@@ -10,7 +10,7 @@ Draft and verify time per step come from a separate profiled DFlash pass on the
 first ``--profile-prompts`` prompts of each dataset: profiling adds a host sync
 per step, so it stays out of the timed runs.
 
-``--block-size auto`` runs DFlash with the adaptive policy (``adaptive.py``);
+``--block-size auto`` runs DFlash with the adaptive policy (``policy.py``);
 the table's ``block`` column is then the mean number of rows verified per step
 (1 = a plain decoding step) and the JSON holds their histogram.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DFlashError
-from .flags import (add_pair_arguments, add_sharding_arguments, block_size_arg, default_block_size, finite_float,
+from .flags import (add_block_arguments, add_pair_arguments, add_sharding_arguments, default_block_size, finite_float,
                     resolve_pair, seed_arg)
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
@@ -163,24 +163,16 @@ def _chat(tokenizer, text: str) -> list[int]:
 
 
 def _profile(model, prompt: list[int], args: argparse.Namespace, result: DatasetResult) -> None:
-    import mlx.core as mx
+    """Draft and verify seconds of each step, from a pass that times them apart (one more host sync per step)."""
+    from .engine import Engine
 
-    from . import kernels
-    from .adaptive import make_policy
-    from .decode import speculative_decode
-    from .generation import coupling
-    from .sampling import SamplingParams, make_strategy
-
-    ops = kernels.get_ops()
-    params = SamplingParams(args.temp, 1.0, 0, 0.0)
-    strategy = make_strategy(params, None, ops, coupling(model, params))
-    block = make_policy(model) if args.block_size == "auto" else args.block_size
-    steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy, block_size=block,
-                               max_tokens=args.max_tokens, profile=True, copy_proposals=args.copy_proposals)
-    for i, step in enumerate(steps):
-        if i:  # step 0 is the prefill
-            result.draft_seconds.append(step.draft_seconds)
-            result.verify_seconds.append(step.verify_seconds)
+    engine = Engine(model, block_size=args.block_size, max_rows=1, copy_proposals=args.copy_proposals,
+                    draft_window=args.draft_window, profile=True)
+    engine.add(prompt, max_tokens=args.max_tokens, temp=args.temp)
+    while not engine.idle:
+        engine.step()
+    result.draft_seconds += engine.stats.draft_seconds
+    result.verify_seconds += engine.stats.verify_seconds
 
 
 def plain_run(target_model, tokenizer, prompt: list[int], max_tokens: int, temp: float, seed: int,
@@ -214,7 +206,7 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
         def dflash():
             mx.random.seed(args.seed)
             return _timed(stream_generate(model, tokenizer, prompt, args.max_tokens, temp=args.temp, block_size=args.block_size,
-                                          copy_proposals=args.copy_proposals))
+                                          copy_proposals=args.copy_proposals, draft_window=args.draft_window))
 
         if i % 2 == 0:
             base, (spec, last) = baseline(), dflash()
@@ -265,10 +257,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", nargs="+", default=list(DATASETS), help=f"{', '.join(DATASETS)} or PATH.jsonl")
     p.add_argument("--num-prompts", type=int, default=10, help="Prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=256, help="Tokens to generate per prompt")
-    p.add_argument("--block-size", type=block_size_arg, default=None,
-                   help="Draft block size; 'auto' adapts it per step (default: as in `generate`)")
-    p.add_argument("--no-copy-proposals", dest="copy_proposals", action="store_false",
-                   help="Propose drafted tokens only (see `generate`)")
+    add_block_arguments(p)
     p.add_argument("--temp", type=finite_float, default=0.0, help="Sampling temperature (0: greedy, checks match)")
     p.add_argument("--seed", type=seed_arg, default=0, help="Sampling seed (any 64-bit integer), reset before every generation")
     p.add_argument("--profile-prompts", type=int, default=1, help="Prompts per dataset with a profiled draft/verify pass")
@@ -283,7 +272,7 @@ def run(args: argparse.Namespace) -> None:
 
     from . import BLAS
     from . import kernels
-    from .generation import couples
+    from .engine import couples
     from .model import load
 
     if args.num_prompts < 1 or args.max_tokens < 2:

@@ -1,35 +1,36 @@
-"""mlx_lm-shaped generation: ``stream_generate`` yields one response per token, ``generate`` collects them."""
+"""mlx_lm-shaped generation over the engine: ``stream_generate`` yields one response per token,
+``generate`` collects them, ``batch_generate`` decodes many prompts together."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Generator, Iterable
+from typing import Generator, Iterable, Sequence
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import kernels
-from .adaptive import AdaptiveBlockSize, make_policy
-from .copying import corpus_tokens
-from .decode import DecodeCache, LogitsProcessor, speculative_decode
-from .models import Drafter
+from .cache.prompt import PromptCache
+from .engine import PREFILL_STEP_SIZE, Engine, LogitsProcessor, TokenEvent
 from .errors import DFlashError
-from .model import MAX_BLOCK_SIZE, DFlashModel
-from .sampling import Sampler, SamplingParams, make_strategy, random_seed
-from .stats import SpeculativeStats, format_stats
+from .model import DFlashModel
+from .policy import BlockPolicy
+from .sampling import Sampler
+from .stats import EngineStats, SpeculativeStats, format_stats
+
 
 @dataclass
 class GenerationResponse:
     """One generated token, in the shape of mlx_lm's GenerationResponse.
 
-    ``from_draft`` says whether the token was a drafter proposal the target
-    accepted; ``stats`` holds the acceptance record so far. There is no
-    ``logprobs`` field.
+    ``from_draft`` says whether the token was a proposal (drafted or copied) the target accepted;
+    ``logprobs`` are the log-probabilities (V,) the token was committed from (after logits
+    processors); ``stats`` holds the acceptance record so far.
     """
 
     text: str
     token: int
+    logprobs: mx.array | None
     from_draft: bool
     prompt_tokens: int
     prompt_tps: float
@@ -40,15 +41,50 @@ class GenerationResponse:
     finish_reason: str | None = None
 
 
-def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | list[int] | mx.array) -> mx.array:
+class Responses:
+    """A request's ``TokenEvent``s as the ``GenerationResponse``s mlx_lm's stream_generate yields:
+    the text detokenized as it comes (a stop token is not part of it), prompt and generation speed."""
+
+    def __init__(self, tokenizer: TokenizerWrapper, prompt_tokens: int, started: float | None = None):
+        self.detokenizer = tokenizer.detokenizer
+        self.prompt_tokens = prompt_tokens
+        self.started = time.perf_counter() if started is None else started
+        self.first: float | None = None  # when the first token came
+        self.tokens = 0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.first, 1e-9) if self.first else 0.0
+
+    def __call__(self, event: TokenEvent, stats: SpeculativeStats) -> GenerationResponse:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.tokens += 1
+        if event.finish_reason != "stop":  # the stop token is not part of the answer, as in mlx_lm
+            self.detokenizer.add_token(event.token)
+        if event.finish_reason:
+            self.detokenizer.finalize()
+        return GenerationResponse(
+            self.detokenizer.last_segment, event.token, event.logprobs, event.from_draft, self.prompt_tokens,
+            self.prompt_tokens / max(self.first - self.started, 1e-9), self.tokens, self.generation_tps,
+            mx.get_peak_memory() / 1e9, event.stats or stats, event.finish_reason,
+        )
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | list[int] | mx.array) -> list[int]:
     """Token ids of a prompt given as text (BOS added unless it is already there) or as ids."""
     if isinstance(prompt, str):
         bos = tokenizer.bos_token
         prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-    prompt = mx.array(prompt, mx.int32).reshape(-1)
-    if prompt.size == 0:
+    ids = mx.array(prompt, mx.int32).reshape(-1).tolist()
+    if not ids:
         raise DFlashError("the prompt is empty: give at least one token of prompt")
-    return prompt
+    return ids
+
+
+def _wrapped(tokenizer) -> TokenizerWrapper:
+    return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
 
 
 def stream_generate(
@@ -63,128 +99,46 @@ def stream_generate(
     min_p: float = 0.0,
     sampler: Sampler | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
-    block_size: int | str | AdaptiveBlockSize | None = None,
-    stop_tokens: Iterable[int] = (),
+    block_size: int | str | BlockPolicy | None = None,
+    stop_tokens: Iterable[int | Sequence[int]] = (),
     use_metal: bool | None = None,
-    prefill_step_size: int = 2048,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
     draft_window: tuple[int, int] | None = None,
-    prompt_cache: DecodeCache | None = None,
+    prompt_cache: PromptCache | None = None,
     copy_proposals: bool = True,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text with DFlash, yielding one response per token like mlx_lm.
 
-    Greedy (``temp=0``) output is identical to mlx_lm's greedy decoding of the
-    target; with ``temp``/``top_p``/``top_k``/``min_p`` tokens follow the same
-    distribution as mlx_lm's ``make_sampler`` with those settings, drawn by coupled
-    sampling (``sampling.Coupled``), so after ``mx.random.seed`` the text is the same
-    at every block size, ``"auto"`` included. A custom
-    ``sampler`` (any logprobs -> token function) also stays exact, but only
-    proposals equal to its sample are accepted, so tau drops. ``logits_processors``
-    are applied to every verify row with that row's own token history.
+    Greedy (``temp=0``) output is identical to mlx_lm's greedy decoding of the target; with
+    ``temp``/``top_p``/``top_k``/``min_p`` tokens follow the same distribution as mlx_lm's
+    ``make_sampler`` with those settings, drawn by coupled sampling (``sampling.Coupled``), so after
+    ``mx.random.seed`` the text is the same at every block size, ``"auto"`` included. A custom
+    ``sampler`` (any logprobs -> token function) also stays exact, but only proposals equal to its
+    sample are accepted, so tau drops. ``logits_processors`` are applied to every verify row with
+    that row's own token history. ``stop_tokens``: more stop token ids, or sequences of ids.
 
-    ``block_size="auto"`` picks each step's block (up to the drafter's) from the
-    measured cost curve and the running acceptance (``adaptive.py``); pass an
-    ``AdaptiveBlockSize`` (``adaptive.make_policy``) to tune the policy.
-    ``copy_proposals`` (on by default) lets tokens copied from earlier in the
-    prompt or the output stand in for, or merge with, the drafter's proposals
-    where they are expected to be accepted further (``copying.py``); the stats
-    count the accepted tokens of each source. ``draft_window=(keep, recent)``
-    bounds the drafter's context for long prompts. ``prompt_cache`` (a
-    ``DecodeCache``) reuses the caches of an earlier call whose tokens the new
-    prompt extends; it is updated in place.
+    ``block_size="auto"`` picks each step's block (up to the drafter's) from the measured cost and
+    the running acceptance (``policy.py``); a ``BlockPolicy`` (``engine.make_policy``) tunes it.
+    ``copy_proposals`` (on by default) lets tokens copied from earlier in the prompt or the output
+    stand in for, or merge with, the drafter's proposals (``copying.py``). ``draft_window=(keep,
+    recent)`` bounds the drafter's context for long prompts. ``prompt_cache`` (a ``PromptCache``)
+    reuses the caches of earlier calls whose tokens the new prompt extends, and keeps this one's.
     """
-    if max_tokens < 1:
-        raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
-    policy = block_size if isinstance(block_size, AdaptiveBlockSize) else None
-    if block_size == "auto":
-        policy = make_policy(model, use_metal=use_metal)
-    block_size = max(policy.max_block_size, policy.copy_block_size) if policy else model.block_size if block_size is None else block_size
-    if not isinstance(block_size, int):
-        raise DFlashError(f"block size {block_size!r} is not an integer or 'auto'")
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise DFlashError(f"block size {block_size} is out of range: use 1..{MAX_BLOCK_SIZE}")
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    prompt = encode_prompt(tokenizer, prompt)
-    params = SamplingParams(temp, top_p, top_k, min_p)
-    ops = kernels.get_ops(use_metal)
-    strategy = make_strategy(params, sampler, ops, coupling(model, params, sampler))
-    stops = set(tokenizer.eos_token_ids) | set(stop_tokens)
-    start_record = getattr(model.target, "start_record", None)  # a sharded target (distributed.Driver)
-    stats = SpeculativeStats(block_size, ops.path, adaptive=policy is not None, kernel_fallbacks=ops.fallbacks,
-                             copy_proposals=copy_proposals, corpus_tokens=corpus_tokens(model.drafter),
-                             sharding=start_record() if start_record else None, sampling=strategy.name)
-    if prompt_cache is None:
-        prompt_cache = DecodeCache.new(model.target, model.drafter, draft_window)
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-
-    steps = speculative_decode(
-        prompt,
-        model.target,
-        model.drafter,
-        strategy,
-        block_size=policy or block_size,
-        max_tokens=max_tokens,
-        logits_processors=logits_processors,
-        prefill_step_size=prefill_step_size,
-        prompt_cache=prompt_cache,
-        copy_proposals=copy_proposals,
-    )
-
-    def tokens():
-        for i, step in enumerate(steps):
-            if i:  # step 0 is the prefill's token, not a draft-verify step
-                stats.record(step)
-            for j, token in enumerate(step.tokens):
-                yield token, j < step.accepted
-
-    tic = time.perf_counter()
-    prompt_tps = 0.0
-    token, from_draft, n = None, False, 0
-
-    def response(finish_reason: str | None) -> GenerationResponse:
-        return GenerationResponse(
-            detokenizer.last_segment,
-            token,
-            from_draft,
-            prompt.size,
-            prompt_tps,
-            n + 1,
-            (n + 1) / (time.perf_counter() - tic),
-            mx.get_peak_memory() / 1e9,
-            stats,
-            finish_reason,
-        )
-
-    for n, (token, from_draft) in enumerate(tokens()):
-        if n == 0:
-            prompt_tps = prompt.size / (time.perf_counter() - tic)
-            tic = time.perf_counter()
-        if token in stops:
-            break
-        detokenizer.add_token(token)
-        if n + 1 == max_tokens:
-            break
-        yield response(None)
-    detokenizer.finalize()
-    yield response("stop" if token in stops else "length")
-
-
-def couples(model: DFlashModel) -> bool:
-    """Whether the pair samples with ``Coupled``: not with a DFlash2 drafter, whose selector picks
-    among candidates the noise does not index (it keeps rejection sampling)."""
-    return model.drafter.architecture == Drafter.architecture
-
-
-def coupling(model: DFlashModel, params: SamplingParams, sampler: Sampler | None = None) -> tuple[int, int] | None:
-    """``make_strategy``'s ``coupled``: (seed, vocabulary size) when ``params`` sample with
-    ``Coupled``, the seed drawn from MLX's global random state (so ``mx.random.seed`` fixes the
-    output, at any block size); None for greedy decoding, a custom sampler or a pair that does not
-    couple (no random state is drawn then)."""
-    if params.temp == 0 or sampler is not None or not couples(model):
-        return None
-    return random_seed(), model.target.vocab_size
+    tokenizer = _wrapped(tokenizer)
+    ids = encode_prompt(tokenizer, prompt)
+    engine = Engine(model, block_size=block_size, max_rows=1, prefill_step_size=prefill_step_size, use_metal=use_metal,
+                    prompt_cache=prompt_cache, copy_proposals=copy_proposals, draft_window=draft_window)
+    uid = engine.add(ids, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, sampler=sampler,
+                     stop_tokens=[*tokenizer.eos_token_ids, *stop_tokens], logits_processors=logits_processors,
+                     logprobs=True)
+    stats = engine.pending[0].stats
+    responses = Responses(tokenizer, len(ids))
+    try:
+        while not engine.idle:
+            for event in engine.step():
+                yield responses(event, stats)
+    finally:  # a caller that stops early leaves its caches to the prompt cache as a finished one does
+        engine.cancel(uid)
 
 
 def generate(
@@ -207,3 +161,97 @@ def generate(
         print("=" * 10)
         print(format_stats(response))
     return text
+
+
+@dataclass
+class BatchResponse:
+    """mlx_lm's ``BatchResponse``: one text per prompt, in prompt order.
+
+    ``stats`` is the engine's record (rows per step, ragged steps, tokens and seconds); ``caches``
+    is always None (pass a ``PromptCache`` as ``prompt_cache`` to keep caches across calls).
+    """
+
+    texts: list[str]
+    stats: EngineStats
+    caches: None = None
+    token_ids: list[list[int]] | None = None
+    logprobs: list[list[float]] | None = None
+
+
+def batch_generate(
+    model: DFlashModel,
+    tokenizer: TokenizerWrapper,
+    prompts: Sequence[str | list[int]],
+    prompt_caches: None = None,
+    max_tokens: int | list[int] = 128,
+    verbose: bool = False,
+    return_prompt_caches: bool = False,
+    return_token_ids: bool = False,
+    return_logprobs: bool = False,
+    *,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    sampler: Sampler | None = None,
+    seed: int | None = None,
+    logits_processors: list[LogitsProcessor] | None = None,
+    stop_tokens: Iterable[int | Sequence[int]] = (),
+    block_size: int | str | None = None,
+    completion_batch_size: int = 8,
+    prefill_step_size: int = 512,
+    use_metal: bool | None = None,
+    copy_proposals: bool = True,
+    draft_window: tuple[int, int] | None = None,
+    prompt_cache: PromptCache | None = None,
+) -> BatchResponse:
+    """Generate a response for every prompt, decoding them together with DFlash.
+
+    Arguments mirror ``mlx_lm.batch_generate`` (the sampling ones are ``stream_generate``'s, applied
+    to every prompt); each output is what ``stream_generate`` gives for that prompt alone: greedy
+    token for token, sampled in distribution. ``seed`` gives prompt i the seed ``seed + i``.
+    Generation stops at the tokenizer's eos ids and ``stop_tokens``; the stop token is not part of
+    the text. ``prefill_step_size``: prompt tokens per step while other rows decode.
+    """
+    if prompt_caches is not None or return_prompt_caches:
+        raise DFlashError("batch_generate takes no per-prompt caches: drop prompt_caches/return_prompt_caches "
+                          "and pass a PromptCache as prompt_cache to reuse prefixes across calls")
+    tokenizer = _wrapped(tokenizer)
+    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    if len(limits) != len(prompts):
+        raise DFlashError(f"max_tokens has {len(limits)} entries for {len(prompts)} prompts: give one per prompt")
+    engine = Engine(model, block_size=block_size, max_rows=completion_batch_size, prefill_step_size=prefill_step_size,
+                    use_metal=use_metal, copy_proposals=copy_proposals, draft_window=draft_window,
+                    prompt_cache=prompt_cache)
+    stops = [*tokenizer.eos_token_ids, *stop_tokens]
+    uids = [
+        engine.add(encode_prompt(tokenizer, prompt), max_tokens=limit, temp=temp, top_p=top_p, top_k=top_k,
+                   min_p=min_p, sampler=sampler, seed=None if seed is None else seed + i, stop_tokens=stops,
+                   logits_processors=logits_processors, logprobs=return_logprobs)
+        for i, (prompt, limit) in enumerate(zip(prompts, limits))
+    ]
+    tokens = {uid: [] for uid in uids}
+    logprobs = {uid: [] for uid in uids}
+    finished = 0
+    while not engine.idle:
+        for event in engine.step():
+            if event.finish_reason != "stop":
+                tokens[event.uid].append(event.token)
+                if return_logprobs:
+                    logprobs[event.uid].append(event.logprobs[event.token].item())
+            if event.finish_reason and verbose:
+                finished += 1
+                print(f"[batch_generate] Finished processing {finished}/{len(uids)} ...", end="\r")
+    stats = engine.stats
+    if verbose:
+        print(f"[batch_generate] Finished processing {finished}/{len(uids)}")
+        print(f"[batch_generate] Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec")
+        print(f"[batch_generate] Generation: {stats.generation_tokens} tokens, "
+              f"{stats.generation_tps:.3f} tokens-per-sec, {stats.mean_rows:.2f} rows per step")
+        print(f"[batch_generate] Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    return BatchResponse(
+        [tokenizer.decode(tokens[uid]) for uid in uids],
+        stats,
+        token_ids=[tokens[uid] for uid in uids] if return_token_ids else None,
+        logprobs=[logprobs[uid] for uid in uids] if return_logprobs else None,
+    )

@@ -21,8 +21,8 @@ Four strategies, all lossless:
 ``at(position)`` binds a strategy to a block whose first verified row predicts
 absolute position ``position`` (only ``Coupled`` uses it).
 
-Every method takes an optional PRNG ``key`` (the batch engine gives each request
-its own); without one, MLX's global random state is used. An opaque sampler
+Every method takes an optional PRNG ``key`` (a request with a seed has its own
+stream); without one, MLX's global random state is used. An opaque sampler
 always draws from the global state; ``Coupled`` draws from its seed alone.
 
 ``propose`` picks from any rows of scores: a DFlash drafter's logits, or one
@@ -237,17 +237,6 @@ class Match:
 
 
 Strategy = Greedy | Coupled | Rejection | Match
-
-
-class KeyedPicks:
-    """A strategy as ``Drafter.propose`` calls it, each pick drawn with a fresh key from ``next_key``
-    (the batch engine's per-request random stream)."""
-
-    def __init__(self, strategy: Strategy, next_key: Callable[[], mx.array | None]):
-        self.strategy, self.next_key, self.ops = strategy, next_key, strategy.ops
-
-    def propose(self, scores: mx.array) -> tuple[mx.array, mx.array | None]:
-        return self.strategy.propose(scores, self.next_key())
 
 
 def make_strategy(params: SamplingParams, sampler: Sampler | None, ops: KernelOps,

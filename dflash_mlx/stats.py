@@ -33,6 +33,18 @@ class ShardingStats:
 
 
 @dataclass
+class Step:
+    """What one row committed in one draft-verify step."""
+
+    tokens: list[int]  # committed: accepted proposals, then the target's token
+    accepted: int  # how many of them were proposals (drafted or copied)
+    block_size: int = 0  # tokens verified (1: plain decoding, no proposals)
+    copied: int = 0  # how many of the accepted proposals were copied from earlier text
+    copies: int = 0  # how many of the block's proposals were copied
+    from_corpus: bool = False  # whether the copy came from the drafter's corpus, not from this text
+
+
+@dataclass
 class SpeculativeStats:
     """Acceptance record of one generation. tau counts the target's own token."""
 
@@ -51,8 +63,8 @@ class SpeculativeStats:
     copy_steps: int = 0  # steps whose block held copied tokens
     sampling: str = "greedy"  # the verify rule (sampling.py): greedy, coupled, rejection or match
 
-    def record(self, step) -> None:
-        """One draft-verify step (a ``decode.Step``)."""
+    def record(self, step: Step) -> None:
+        """One draft-verify step."""
         self.acceptance_lengths.append(len(step.tokens))
         self.block_sizes.append(step.block_size)
         self.copied += step.copied
@@ -82,11 +94,6 @@ class SpeculativeStats:
     def tau(self) -> float:
         n = self.acceptance_lengths
         return sum(n) / len(n) if n else 0.0
-
-    def tau_by_source(self) -> dict[str, float]:
-        """tau split: the target's own token per step, and accepted drafts and copies per step."""
-        steps = len(self.acceptance_lengths) or 1
-        return {"target": 1.0 if self.acceptance_lengths else 0.0, "drafter": self.drafted / steps, "copy": self.copied / steps}
 
     def histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.acceptance_lengths).items()))
@@ -132,6 +139,7 @@ class EngineStats:
 
     batched: bool  # False: requests are served one at a time, see ``reason``
     reason: str | None = None
+    sharding: ShardingStats | None = None  # set when the target is sharded over several ranks
     prompt_tokens: int = 0
     prompt_time: float = 0.0
     generation_tokens: int = 0
@@ -140,6 +148,20 @@ class EngineStats:
     rows: Counter = field(default_factory=Counter)  # rows per step -> steps
     block_sizes: Counter = field(default_factory=Counter)  # block size -> steps
     ragged_steps: int = 0  # steps whose rows accepted different numbers of proposals
+    draft_seconds: list[float] = field(default_factory=list)  # per step, when the engine profiles
+    verify_seconds: list[float] = field(default_factory=list)
+
+    def record_step(self, rows: int, block_size: int, ragged: bool, seconds: float,
+                    profile: tuple[float, float] | None = None) -> None:
+        """One step of ``rows`` rows and ``block_size`` tokens each; ``profile``: its draft and verify seconds."""
+        self.steps += 1
+        self.rows[rows] += 1
+        self.block_sizes[block_size] += 1
+        self.ragged_steps += ragged
+        self.decode_time += seconds
+        if profile is not None:
+            self.draft_seconds.append(profile[0])
+            self.verify_seconds.append(profile[1])
 
     @property
     def prompt_tps(self) -> float:

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .errors import DFlashError
+from .cache.ragged import RaggedKVCache
 from .cache.rollback import CachePolicy
 
 # mlx_lm's Gemma models scale token embeddings by sqrt(hidden_size) inside the
@@ -81,7 +82,7 @@ class Target:
         if self.embed_tokens is None or not self.layers:
             raise DFlashError(
                 f"unsupported target architecture {model_type!r}: no embed_tokens/layers to share "
-                "with the drafter (supported: Llama, Qwen2, Qwen3, Mistral-style decoders)"
+                "with the drafter (supported: mlx_lm decoders that keep them, as Llama, Qwen, Gemma and Mistral do)"
             )
         self.cache_policy = CachePolicy(model, model.layers, model_type)
         self.embed_scale = _embed_scale(model, model_type, self.hidden_size)
@@ -127,20 +128,43 @@ class Target:
             return lambda h: h @ p["weight"].T + p["bias"]
         return lambda h: h @ p["weight"].T
 
-    def make_cache(self) -> list:
-        return self.cache_policy.make_cache()
+    # -- caches: one list per forward, a layer's rows along the batch axis ---------
 
-    def rollback(self, cache: list, num_tokens: int) -> None:
-        """Drop the last ``num_tokens`` positions (the rejected proposals) of the last call."""
-        self.cache_policy.rollback(cache, num_tokens)
+    def make_cache(self, rows: int = 1) -> list:
+        """Empty caches of ``rows`` rows (``CachePolicy.make_cache``)."""
+        return self.cache_policy.make_cache(rows)
 
-    def make_batch_cache(self, rows: int = 1) -> list:
-        """Caches the batch engine joins to its batch (``CachePolicy.make_batch_cache``)."""
-        return self.cache_policy.make_batch_cache(rows)
+    def rollback(self, cache: list, drops: int | list[int]) -> None:
+        """Drop the last ``drops[r]`` positions of row r (its rejected proposals) from the last
+        forward on ``cache``; an int drops as many from every row."""
+        if isinstance(drops, int):
+            drops = [drops] * self.rows(cache)
+        self.cache_policy.rollback(cache, drops)
 
-    def rollback_rows(self, cache: list, drops: list[int]) -> None:
-        """Batched ``rollback``: drop the last ``drops[r]`` positions of row r."""
-        self.cache_policy.rollback_rows(cache, drops)
+    def rows(self, cache: list) -> int:
+        return len(self.lengths(cache))
+
+    def lengths(self, cache: list) -> list[int]:
+        """Tokens each row of ``cache`` holds."""
+        return next(c.lengths for c in cache if isinstance(c, RaggedKVCache))
+
+    def join(self, cache: list, other: list) -> None:
+        """Append the rows of ``other`` after those of ``cache`` (``other`` is used up)."""
+        for c, o in zip(cache, other):
+            c.extend(o)
+
+    def keep(self, cache: list, rows: list[int]) -> None:
+        """Keep only the rows ``rows``, in that order."""
+        for c in cache:
+            c.filter(rows)
+
+    def take(self, cache: list, row: int, length: int) -> list | None:
+        """One-row caches holding row ``row``'s first ``length`` positions (a copy); None where a
+        recurrent layer's state is not the one after exactly ``length`` tokens."""
+        if self.cache_policy.mixers and length != self.lengths(cache)[row]:
+            return None
+        return [c.take(row, length) if isinstance(c, RaggedKVCache) else c.extract(row) for c in cache]
+
     def holds(self, layer: int) -> bool:
         """Whether this process holds ``layer``: a pipeline stage holds only its own (mlx_lm
         leaves None before them and nothing after)."""
@@ -197,31 +221,44 @@ class Target:
         """The drafter's input from this forward's taps; a sharded target gathers them here."""
         return mx.concatenate([taps[i] for i in self.layer_ids], axis=-1)
 
-    def prefill(
-        self, prompt: mx.array, cache: list, step_size: int = 2048, keep_rows: int | None = None
-    ) -> tuple[mx.array, mx.array]:
-        """Run the prompt through the target in chunks, as mlx_lm does.
-
-        Returns the last row's logits (1, V) and the hidden states of the prompt
-        rows (1, P, k*H), the drafter's first context. With ``keep_rows`` (a
-        drafter whose layers all have sliding windows never sees further back)
-        earlier rows are dropped as the chunks go: at most keep_rows + 1 remain.
-        """
-        hidden = []
-        rest = prompt
-        while rest.size > 1:
-            chunk, rest = rest[: min(step_size, rest.size - 1)], rest[min(step_size, rest.size - 1) :]
-            # Not undoable: recording a long chunk would hold its projections in memory.
-            _, h = self._forward(chunk[None], cache)
-            self.cache_policy.forget()
+    def prefill(self, prompt: mx.array, cache: list, step_size: int = 2048) -> tuple[mx.array, mx.array]:
+        """One row's prompt through the target in chunks of ``step_size``, as mlx_lm does: the last
+        row's logits (1, V) and every prompt row's hidden state (1, P, k*H)."""
+        tokens, hidden = prompt.tolist(), []
+        for start in range(0, len(tokens), step_size):
+            logits, h = self.prefill_rows([cache], [tokens[start : start + step_size]])[0]
             hidden.append(h)
-            if keep_rows is not None:
-                h = mx.concatenate(hidden, axis=1)
-                hidden = [h[:, max(h.shape[1] - keep_rows, 0) :]]
-            mx.eval(hidden, [c.state for c in cache])
-        logits, h = self(rest[None], cache)
-        hidden.append(h)
-        return logits[:, -1], mx.concatenate(hidden, axis=1)
+            mx.eval(h, [c.state for c in cache])
+        return logits, mx.concatenate(hidden, axis=1)
+
+    def prefill_rows(self, caches: list[list], chunks: list[list[int]]) -> list[tuple[mx.array, mx.array]]:
+        """One chunk of prompt per request through one forward: for each (one-row caches, tokens),
+        the last token's logits (1, V) and the tokens' hidden states (1, n, k*H); each list of
+        caches is extended in place. Not undoable: recording a long chunk's projections would hold
+        them in memory.
+
+        The rows are stacked into one ragged cache, each chunk right-padded to the longest (attention
+        is causal, so no prompt token sees a pad, and each row's pads are trimmed off after), then
+        split back. Recurrent layers would run the pads through their state, so those targets
+        prefill one request at a time.
+        """
+        if len(chunks) > 1 and self.cache_policy.mixers:
+            return [self.prefill_rows([c], [t])[0] for c, t in zip(caches, chunks)]
+        lengths = [len(tokens) for tokens in chunks]
+        width = max(lengths)
+        rows = mx.array([tokens + [0] * (width - len(tokens)) for tokens in chunks], mx.int32)
+        joint = caches[0]
+        if len(chunks) > 1:
+            joint = self.make_cache(0)
+            for cache in caches:
+                self.join(joint, cache)
+        logits, hidden = self._forward(rows, joint, [n - 1 for n in lengths])
+        if len(chunks) > 1:
+            self.rollback(joint, [width - n for n in lengths])  # attention only: no recurrent layers here
+            held = self.lengths(joint)
+            for r, cache in enumerate(caches):
+                cache[:] = self.take(joint, r, held[r])
+        return [(logits[r : r + 1, 0], hidden[r : r + 1, :n]) for r, n in enumerate(lengths)]
 
 
 def _embed_scale(model: nn.Module, model_type: str, hidden_size: int) -> mx.array | None:

@@ -17,18 +17,15 @@ from mlx_lm.models.cache import ConcatenateKVCache
 from mlx_lm.sample_utils import make_repetition_penalty
 from stats import ALPHA, chi_square_p_value
 from test_hybrid import build, make_drafter
-from tiny import EOS_ID, MASK_ID, RowOracleDrafter, async_evaluations, reads_apart_from_next_forward
+from tiny import EOS_ID, MASK_ID, OracleDrafter, ScriptedPolicy, async_evaluations, reads_apart_from_next_forward
 
 import dflash_mlx
-from dflash_mlx import DFlashModel, batch_generate, stream_generate
-from dflash_mlx.step_costs import CostCurve
-from dflash_mlx.batch import BatchEngine
-from dflash_mlx.batch_adaptive import BatchBlockSize, RowCostCurve, calibrate_rows
-from dflash_mlx.batch_prefill import prefill_chunks
-from dflash_mlx.models import Drafter
+from dflash_mlx import DFlashModel, Engine, PromptCache, batch_generate, stream_generate
+from dflash_mlx.costs import Costs, RowCosts, StepCosts
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.kernels import get_ops
-from dflash_mlx.cache.ragged import RaggedKVCache
+from dflash_mlx.models import Drafter
+from dflash_mlx.policy import BlockPolicy
 from dflash_mlx.sampling import SamplingParams, probabilities
 from dflash_mlx.target import Target
 
@@ -75,8 +72,8 @@ def family(request, tiny_pair):
 
 
 def oracle_engine(model, block_size=6, **kwargs):
-    oracle = RowOracleDrafter(model.drafter)
-    engine = BatchEngine(DFlashModel(model.target, oracle), block_size=block_size, **kwargs)
+    oracle = OracleDrafter(model.drafter)
+    engine = Engine(DFlashModel(model.target, oracle), block_size=block_size, **kwargs)
     oracle.engine = engine
     return engine, oracle
 
@@ -148,7 +145,7 @@ def test_logits_processors_stops_and_logprobs_are_per_request(family):
     out = [e.token for e in events[plain]]
     logits = model.target.model(mx.array([prompts[0] + out[:-1]]))[0, len(prompts[0]) - 1 :]
     expected = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[np.arange(len(out)), out]
-    assert np.allclose([e.logprob for e in events[plain]], expected, atol=1e-4)
+    assert np.allclose([e.logprobs[e.token].item() for e in events[plain]], expected, atol=1e-4)
 
 
 def test_batch_generate_mirrors_mlx_lm(family):
@@ -161,7 +158,7 @@ def test_batch_generate_mirrors_mlx_lm(family):
         assert ids == [t for t in ref if t != EOS_ID]
         assert text == tokenizer.decode(ids)
     assert response.caches is None and response.stats.generation_tokens > 0
-    with pytest.raises(DFlashError, match="prompt caches"):
+    with pytest.raises(DFlashError, match="prompt_caches"):
         batch_generate(model, tokenizer, prompts[:1], return_prompt_caches=True)
     with pytest.raises(DFlashError, match="one per prompt"):
         batch_generate(model, tokenizer, prompts[:2], max_tokens=[3])
@@ -169,7 +166,7 @@ def test_batch_generate_mirrors_mlx_lm(family):
 
 def test_bad_requests_are_refused(family):
     model = family[0]
-    engine = BatchEngine(model)
+    engine = Engine(model)
     for kwargs, message in [
         (dict(prompt=[]), "prompt is empty"),
         (dict(prompt=[5], max_tokens=0), "max_tokens must be at least 1"),
@@ -179,7 +176,7 @@ def test_bad_requests_are_refused(family):
         with pytest.raises(DFlashError, match=message):
             engine.add(**kwargs)
     with pytest.raises(DFlashError, match="block size"):
-        BatchEngine(model, block_size=0)
+        Engine(model, block_size=0)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -204,8 +201,8 @@ def test_ragged_drafter_rows_equal_single_rows(tiny_pair, causal):
         expected.append(drafter(blocks[:1], new, cache, head, ops)[0])
     caches = None
     for ctx in contexts:
-        row = [RaggedKVCache() for _ in drafter.layers]
-        drafter(blocks[:1, :1], ctx, row, head, ops)
+        row = drafter.make_cache()
+        drafter.absorb(ctx, row)
         if caches is None:
             caches = row
         else:
@@ -218,7 +215,8 @@ def test_ragged_drafter_rows_equal_single_rows(tiny_pair, causal):
     got = drafter(blocks, padded, caches, head, ops)
     for r in range(3):
         assert mx.allclose(got[r], expected[r], atol=1e-4).item(), r
-    assert caches[0].lengths == [10, 7, 8]
+    assert caches[0].positions == caches[1].positions == caches[1].lengths == [10, 7, 8]
+    assert caches[0].lengths == [4, 4, 4]  # the sliding-window layer keeps what its window shows
 
 
 def test_prefill_budget_holds_only_while_rows_decode(family):
@@ -233,7 +231,7 @@ def test_prefill_budget_holds_only_while_rows_decode(family):
     assert engine.uids == uids and not engine.pending
     late = add(engine, oracle, prompts[then], refs[then], 3, MAX_TOKENS[then])
     step(engine, events)
-    assert engine.pending and engine.cached_tokens(late) == 4 < len(prompts[then])
+    assert engine.pending and engine.pending[0].prefilled == 4 < len(prompts[then])
     collect(engine, events)
     for uid, i in zip(uids + [late], first + (then,)):
         assert [e.token for e in events[uid]] == refs[i]
@@ -262,14 +260,14 @@ def test_joining_prompts_are_prefilled_together(family):
     cases = [([], prompts[0]), (prompts[1][:6], prompts[1][6:]), ([], prompts[2][:10])]
 
     def caches(prefix):
-        cache = target.make_batch_cache()
+        cache = target.make_cache()
         if prefix:
             target.prefill(mx.array(prefix), cache)
         return cache
 
-    alone = [(c := caches(prefix), *prefill_chunks(target, [(c, chunk)], 64)[0]) for prefix, chunk in cases]
-    rows = [(caches(prefix), chunk) for prefix, chunk in cases]
-    together = [(c, *out) for (c, _), out in zip(rows, prefill_chunks(target, rows, 64))]
+    alone = [(c := caches(prefix), *target.prefill_rows([c], [chunk])[0]) for prefix, chunk in cases]
+    rows = [caches(prefix) for prefix, _ in cases]
+    together = [(c, *out) for c, out in zip(rows, target.prefill_rows(rows, [chunk for _, chunk in cases]))]
     probe = mx.array([[5]])
     for (c1, logits1, hidden1), (c2, logits2, hidden2) in zip(alone, together):
         assert logits1.shape == logits2.shape and hidden1.shape == hidden2.shape
@@ -280,25 +278,9 @@ def test_joining_prompts_are_prefilled_together(family):
         assert mx.allclose(target(probe, c1)[0], target(probe, c2)[0], rtol=1e-4, atol=1e-3).item()  # caches go on alike
 
 
-class ScriptedBatchPolicy(BatchBlockSize):
-    """Plays ``sizes`` over and over and always says a plain step comes next: the engine then runs
-    each plain step's successor ahead, also before drafted blocks and while rows join and leave."""
-
-    def __init__(self, sizes: list[int]):
-        super().__init__(RowCostCurve({1: CostCurve({1: 1.0}, {1: 0.0})}), max(sizes))
-        self.sizes, self.steps = sizes, 0
-
-    def next_block_size(self, trackers) -> int:
-        self.steps += 1
-        return self.sizes[(self.steps - 1) % len(self.sizes)]
-
-    def expects_plain(self, trackers) -> bool:
-        return True
-
-
 def run_ahead_case(pair, prompts, refs, max_tokens):
     """Rows join one by one and mid-run, one is cancelled, the rest finish at different steps."""
-    engine, oracle = oracle_engine(pair, block_size=ScriptedBatchPolicy([1, 1, 4, 1, 3]), prefill_step_size=64)
+    engine, oracle = oracle_engine(pair, block_size=ScriptedPolicy([1, 1, 4, 1, 3]), prefill_step_size=64)
     uids = [add(engine, oracle, p, r, w, n) for p, r, w, n in zip(prompts[:3], refs, (3, 0, 4), max_tokens)]
     events = {}
     for _ in range(12):
@@ -385,18 +367,19 @@ def third_token_marginal(net, prompt: list[int], params: SamplingParams) -> np.n
 def test_sampling_is_exact_per_row_under_batching(tiny_pair):
     """Third generated token of two requests with different settings and prompt lengths,
     decoded side by side with block 3 (rows accept 0, 1 or 2 proposals, so some roll
-    back while their neighbours do not), against its exact marginal."""
+    back while their neighbours do not), against its exact marginal. Four tokens each, so that
+    the first step after the prefill's token may verify a whole block."""
     model, tokenizer = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
     net = model.target.model
     settings = [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_p=0.9)]
     prompts = [tokenizer.encode("Once upon"), tokenizer.encode("The cat sat on")]
     expected = [third_token_marginal(net, p, s) for p, s in zip(prompts, settings)]
-    engine, oracle = oracle_engine(model, block_size=3, completion_batch_size=8)
+    engine, oracle = oracle_engine(model, block_size=3, max_rows=8)
     greedy = [prompt + reference(net, prompt, 3) for prompt in prompts]
     runs, uids = 250, [[], []]
     for i in range(runs):
         for k, (prompt, params) in enumerate(zip(prompts, settings)):
-            uid = engine.add(prompt, max_tokens=3, temp=params.temp, top_p=params.top_p, seed=2 * i + k)
+            uid = engine.add(prompt, max_tokens=4, temp=params.temp, top_p=params.top_p, seed=2 * i + k)
             oracle.refs[uid], oracle.wrong[uid] = greedy[k], 0
             uids[k].append(uid)
     events = collect(engine)
@@ -413,7 +396,7 @@ def test_seeded_request_is_independent_of_its_neighbours(tiny_pair):
     prompt = tokenizer.encode("Seeded")
 
     def run(neighbours, block_size):
-        engine = BatchEngine(model, block_size=block_size)
+        engine = Engine(model, block_size=block_size)
         for i in range(neighbours):
             engine.add(tokenizer.encode("x" * (i + 1)), max_tokens=8 + i, temp=1.0, seed=100 + i)
         uid = engine.add(prompt, max_tokens=20, temp=0.8, top_k=20, seed=7)
@@ -424,93 +407,13 @@ def test_seeded_request_is_independent_of_its_neighbours(tiny_pair):
     assert run(3, 4) == run(3, 2) == alone and len(alone) == 20
 
 
-def test_batch_policy_shrinks_the_block_as_rows_grow(family):
-    """With verify cost growing in rows x block, more rows mean a smaller block; greedy stays exact."""
-    curve = RowCostCurve({
-        1: CostCurve(verify={1: 1.0, 4: 1.05, 8: 1.1}, draft={1: 0.0, 8: 0.05}),  # one row: nearly flat
-        8: CostCurve(verify={1: 8.0, 2: 8.8, 4: 12.0, 8: 24.0}, draft={1: 0.0, 8: 0.8}),  # 8 rows: compute-bound
-    })
-    # Every row accepts each proposal with probability 0.8 (no optimism: the rates as they are).
-    policy = BatchBlockSize(curve, 8, prior=0.8, optimism=0.0)
-    trackers = [policy.track() for _ in range(8)]
-    assert policy.next_block_size(trackers[:1]) == 8
-    assert policy.next_block_size(trackers) == 4
-    assert policy.next_block_size(trackers[:4]) in (4, 5, 6)  # interpolated between 1 and 8 rows
-    model, _, prompts, refs = family
-    engine, oracle = oracle_engine(model, block_size=BatchBlockSize(curve, 8))
-    uids = [add(engine, oracle, p, r, w, n) for p, r, w, n in zip(prompts, refs, WRONG_EVERY, MAX_TOKENS)]
-    events = collect(engine)
-    assert [[e.token for e in events[u]] for u in uids] == refs
-    assert len(engine.stats.block_sizes) > 1
-
-
-def test_batch_policy_probes_a_drafter_that_keeps_missing_at_a_steady_rate():
-    """Plain steps with a probe every ``probe_every`` (no backoff: a batch's copies ride only on
-    drafted steps), and drafting on its merits again once the rows' drafts are right."""
-    steep = CostCurve(verify={1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}, draft={1: 0.0, 2: 0.2, 8: 0.4})
-    policy = BatchBlockSize(RowCostCurve({1: steep, 8: steep}), 8, probe_every=8)
-    trackers = [policy.track() for _ in range(4)]
-
-    def observe(fraction, steps=40):
-        for t in trackers:
-            for _ in range(steps):
-                t.observe(8, round(fraction * 7))
-
-    observe(0.0)
-    sizes, expected_plain = [], []
-    for _ in range(64):
-        expected_plain.append(policy.expects_plain(trackers))
-        sizes.append(policy.next_block_size(trackers))
-    assert [i for i, b in enumerate(sizes) if b > 1] == [0, 8, 16, 24, 32, 40, 48, 56]
-    assert expected_plain == [b == 1 for b in sizes]
-    observe(1.0)
-    assert policy.next_block_size(trackers) > 1
-    observe(0.0, steps=80)
-    sizes = [policy.next_block_size(trackers) for _ in range(8)]
-    assert sizes.count(1) == 7 and sizes[-1] > 1
-
-
-def test_timed_batch_policy_follows_observed_step_times(family):
-    """A calibration that has 8 rows' blocks of 2 cheap: once they are seen at 1.35x its figure,
-    plain steps (untried, so taken as calibrated) win; a run of plain steps that started each
-    next forward early is timed as a whole; a step after rows joined or left is not timed."""
-    curve = RowCostCurve({1: CostCurve(verify={1: 1.0, 2: 1.05}, draft={1: 0.0, 2: 0.05}),
-                          8: CostCurve(verify={1: 1.0, 2: 1.05}, draft={1: 0.0, 2: 0.05})})
-    policy = BatchBlockSize(curve, 2, timed=True, prior=0.25, optimism=0.0)
-    trackers = [policy.track() for _ in range(8)]
-    assert policy.best(trackers) == 2  # 1.25 tokens per row for 1.1 s against 1 for 1.0 s
-    policy.observe(8, 2, 9.0)  # the first step after the rows joined: not timed
-    assert policy.drift.ratios == {}
-    policy.observe(8, 2, 1.1 * 1.35)
-    assert policy.drift.ratios[2] == pytest.approx(1.35) and policy.best(trackers) == 1
-    for seconds, ahead in [(2.0, True), (1.0, True), (0.0, False)]:  # each waits for the next forward
-        policy.observe(8, 1, seconds, ahead)
-    assert policy.drift.ratios[1] == pytest.approx(1.0)
-    policy.observe(7, 1, 5.0)  # a row left: its cache was filtered in this step
-    assert policy.drift.ratios[1] == pytest.approx(1.0)
-    model, _, prompts, refs = family  # and in the engine, greedy rows stay exact
-    engine, oracle = oracle_engine(model, block_size=BatchBlockSize(curve, 8, timed=True))
-    uids = [add(engine, oracle, p, r, w, n) for p, r, w, n in zip(prompts, refs, WRONG_EVERY, MAX_TOKENS)]
-    events = collect(engine)
-    assert [[e.token for e in events[u]] for u in uids] == refs
-    assert engine.policy.drift.ratios
-
-
-def test_calibrated_batch_cost_grows_with_rows(tiny_pair):
-    model, _ = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
-    curve = calibrate_rows(model, rows=(1, 3), max_block_size=4, repeats=1)
-    assert set(curve.curves) == {1, 3}
-    for B in (1, 2, 4):
-        assert 0 < curve.step_seconds(1, B) <= curve.step_seconds(2, B) <= curve.step_seconds(3, B)
-
-
 @pytest.mark.parametrize("name", ["gemma3_text", "qwen3_5"])
 def test_next_turn_reuses_the_prompt_cache(name):
     """A request whose prompt extends a finished (or cancelled) one prefills only the new tokens and
     decodes exactly; recurrent targets cannot trim back to a prefix and reuse nothing."""
     model = build(name)
     pair = DFlashModel(Target(model, [0, 2]), make_drafter(model))
-    engine, oracle = oracle_engine(pair, block_size=4, prefill_step_size=8)
+    engine, oracle = oracle_engine(pair, block_size=4, prefill_step_size=8, prompt_cache=PromptCache())
     first = [5, 17, 9, 33, 2, 41, 8, 8, 60, 12]
     ref = reference(model, first, 16)
     add(engine, oracle, first, ref, 3, 16)
@@ -523,12 +426,9 @@ def test_next_turn_reuses_the_prompt_cache(name):
     events = collect(engine)
     for uid, prompt in zip(uids, (follow, other)):
         assert [e.token for e in events[uid]] == reference(model, prompt, 12)
-    if name == "qwen3_5":
-        assert cached == [0, 0]
-    else:
-        # The whole first turn but its last rows (the target never fed its last token back, and the
-        # drafter had yet to take the last step's rows); only the shared 4 tokens of the other.
-        assert len(first) < cached[0] < len(first) + len(ref) and cached[1] == 4
+    # The whole first turn but its last token (the target never fed it back); of the other request
+    # the shared 4 tokens, where attention layers can be cut there: a recurrent state cannot.
+    assert cached == [len(first) + len(ref) - 1, 0 if name == "qwen3_5" else 4]
     # A cancelled request's caches are kept too.
     uid = add(engine, oracle, other + [7], reference(model, other + [7], 30), 0, 30)
     engine.step()
@@ -559,7 +459,7 @@ def test_rows_merge_their_own_copies_and_stay_exact(tiny_pair, tmp_path):
     refs = [reference(model.target.model, p, 40) for p in prompts]
     outputs = {}
     for copies in (True, False):
-        engine = BatchEngine(model, block_size=8, copy_proposals=copies)
+        engine = Engine(model, block_size=8, copy_proposals=copies)
         uids = [engine.add(p, max_tokens=40, stop_tokens=[EOS_ID]) for p in prompts]
         events = collect(engine)
         outputs[copies] = [[e.token for e in events[u]] for u in uids]
@@ -572,21 +472,24 @@ def test_rows_merge_their_own_copies_and_stay_exact(tiny_pair, tmp_path):
 
 
 def test_sampled_rows_with_copies_are_exact(tiny_pair, tmp_path):
-    """Third sampled token of rows whose proposals are copies (point masses, q = None), decoded
-    eight at a time: its exact marginal. The rows' copy rates are set high, so every step with a
-    match copies; the prompt holds (its last token, x) for every x, so the first step always has one.
-    The first request prefills the prompt; the others start from its prompt cache."""
+    """Third sampled token of rows whose proposals are copies, decoded eight at a time: its exact
+    marginal. The rows' copy rates start high and the drafter's at nothing, so a step whose rows
+    all have a match verifies copies alone; the prompt holds (its last token, x) for every x, so
+    every first step has one. The first request prefills the prompt; the others start from its
+    prompt cache."""
     model, tokenizer = looping_pair(tiny_pair, tmp_path)
     net = model.target.model
     params = SamplingParams(temp=1.0, top_p=0.95)
     V = model.target.vocab_size
     prompt = [v for x in range(V) for v in (40, x, (7 * x + 3) % V)] + [40]
     expected = third_token_marginal(net, prompt, params)
-    engine = BatchEngine(model, block_size=3, completion_batch_size=8)
+    engine = Engine(model, block_size=3, max_rows=8, prompt_cache=PromptCache())
     runs, uids, events = 300, [], {}
     for i in range(runs):
-        uids.append(engine.add(prompt, max_tokens=3, temp=params.temp, top_p=params.top_p, seed=10_000 + i))
-        for rates in engine.pending[-1].copies.acceptance.copies:
+        uids.append(engine.add(prompt, max_tokens=4, temp=params.temp, top_p=params.top_p, seed=10_000 + i))
+        acceptance = engine.pending[-1].acceptance
+        acceptance.drafter.rates = [0.0] * len(acceptance.drafter.rates)
+        for rates in acceptance.copies:
             rates.rates = [1.0] * len(rates.rates)
         if i == 0:
             collect(engine, events)
@@ -595,5 +498,6 @@ def test_sampled_rows_with_copies_are_exact(tiny_pair, tmp_path):
     counts = np.bincount([events[u][2].token for u in uids], minlength=expected.size)
     assert chi_square_p_value(counts, expected) > ALPHA
     stats = [events[u][-1].stats for u in uids]
-    assert all(s.copy_steps >= 1 for s in stats) and sum(s.copied for s in stats) > 0  # every first step copied
+    # Nearly every row verified copies (a batch whose rows lack one drafts, and merges them in), and some were taken.
+    assert sum(s.copy_steps >= 1 for s in stats) > 0.9 * runs and sum(s.copied for s in stats) > 0
     assert engine.stats.ragged_steps > 0

@@ -12,16 +12,15 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from stats import ALPHA, chi_square_p_value
-from tiny import EOS_ID, OracleDrafter
+from tiny import EOS_ID, TARGETS, OracleDrafter, PolicyRow, drafter_config, layout_config, make_drafter
 
 import dflash_mlx
-from dflash_mlx import DFlashModel, stream_generate
-from dflash_mlx.adaptive import AdaptiveBlockSize, FixedBlockSize
-from dflash_mlx.step_costs import CostCurve
+from dflash_mlx import DFlashModel, Engine, PromptCache, stream_generate
 from dflash_mlx.copying import CORPUS_MIN_MATCH, Copy, CopyIndex, common_run, corpus_index, merge
-from dflash_mlx.decode import DecodeCache, speculative_decode
-from dflash_mlx.kernels import get_ops, rejection_accept_twin
-from dflash_mlx.sampling import SamplingParams, make_strategy, probabilities
+from dflash_mlx.costs import RowCosts, StepCosts
+from dflash_mlx.kernels import rejection_accept_twin
+from dflash_mlx.policy import BlockPolicy
+from dflash_mlx.sampling import SamplingParams, probabilities
 
 
 def test_index_finds_the_longest_recent_match():
@@ -97,33 +96,43 @@ def test_common_run():
 
 
 def test_policies_pick_the_source_that_is_accepted_further():
-    fixed = FixedBlockSize(8)
-    copy = Copy([1, 2, 3, 4, 5, 6, 7], match=9)
-    for _ in range(30):  # copies right every time, drafts never
-        fixed.record(fixed.plan(copy, True), [9] * 7, copy, [1, 2, 3, 4, 5, 6, 7, 8], 0.1)
-    assert fixed.plan(copy, True) == fixed.plan(copy, False)
-    plan = fixed.plan(copy, True)
-    assert plan.block_size == 8 and plan.copy and not plan.draft  # copy only: the drafter is skipped
-    assert fixed.plan(None, True).draft  # nothing to copy: draft
+    def learn(policy, row, copy, committed, drafted=None):
+        for _ in range(30):
+            row.copy = copy
+            policy.plan([row])
+            row.acceptance.record(drafted, copy, committed)
 
-    flat = CostCurve(verify={1: 1.0, 16: 1.3}, draft={1: 0.0, 2: 0.2, 16: 0.3})
-    adaptive = AdaptiveBlockSize(flat, 8)
+    fixed = BlockPolicy(8)
+    row = PolicyRow(fixed.acceptance())
+    copy = Copy([1, 2, 3, 4, 5, 6, 7], match=9)
+    learn(fixed, row, copy, [1, 2, 3, 4, 5, 6, 7, 8], [9] * 7)  # copies right every time, drafts never
+    row.copy = copy
+    plan = fixed.plan([row])
+    assert plan.block_size == 8 and not plan.draft  # copy only: the drafter is skipped
+    row.copy = None
+    assert fixed.plan([row]).draft  # nothing to copy: draft
+
+    flat = StepCosts({1: RowCosts({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.2, 16: 0.3})}, {1: 0.0})
+    adaptive = BlockPolicy(8, flat)
+    row = PolicyRow(adaptive.acceptance())
     long = Copy(list(range(15)), match=9)
-    for _ in range(30):
-        adaptive.record(adaptive.plan(long, True), None, long, list(range(16)), 0.1)
-    plan = adaptive.plan(long, True)
+    learn(adaptive, row, long, list(range(16)))
+    row.copy = long
+    plan = adaptive.plan([row])
     assert plan.block_size == 16 and not plan.draft  # longer than the drafter's block: no drafter runs
-    assert adaptive.plan(None, True).draft or adaptive.plan(None, True).plain
+    row.copy = None
+    assert adaptive.plan([row]).draft or adaptive.plan([row]).plain
 
     # OpenBLAS on x86: 16 rows cost less than 12. A copy accepted for 11 tokens then takes 16 rows
     # (cheaper than 12, as many tokens); were 16 priced as 12, 8 rows would win.
-    dip = CostCurve(verify={1: 1.0, 8: 1.5, 12: 2.4, 16: 1.5}, draft={1: 0.0, 2: 0.2, 16: 0.3})
-    adaptive = AdaptiveBlockSize(dip, 8)
-    for _ in range(30):
-        adaptive.record(adaptive.plan(long, True), None, long, list(range(11)) + [99], 0.1)
-    assert adaptive.plan(long, True).block_size == 16
-    adaptive.curve = CostCurve(verify={1: 1.0, 8: 1.5, 12: 2.4, 16: 2.4}, draft=dip.draft)
-    assert adaptive.plan(long, True).block_size == 8
+    dip = StepCosts({1: RowCosts({1: 1.0, 8: 1.5, 12: 2.4, 16: 1.5}, {1: 0.0, 2: 0.2, 16: 0.3})}, {1: 0.0})
+    adaptive = BlockPolicy(8, dip)
+    row = PolicyRow(adaptive.acceptance())
+    learn(adaptive, row, long, list(range(11)) + [99])
+    row.copy = long
+    assert adaptive.plan([row]).block_size == 16
+    adaptive.costs = StepCosts({1: RowCosts({1: 1.0, 8: 1.5, 12: 2.4, 16: 2.4}, dip.rows[1].draft)}, {1: 0.0})
+    assert adaptive.plan([row]).block_size == 8
 
 
 def test_point_mass_rejection_is_exact():
@@ -164,7 +173,8 @@ def test_greedy_with_copies_matches_mlx_lm(family, block_size, drafter):
     copied = copy_steps = 0
     for prompt, ref in zip(prompts, refs):
         pair = model if drafter == "random" else DFlashModel(model.target, OracleDrafter(model.drafter, prompt + ref, 5))
-        policy = AdaptiveBlockSize(CostCurve({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.1, 16: 0.2}), 16) if block_size == "auto" else block_size
+        flat = StepCosts({1: RowCosts({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.1, 16: 0.2})}, {1: 0.0})
+        policy = BlockPolicy(16, flat) if block_size == "auto" else block_size
         responses = list(stream_generate(pair, tokenizer, prompt, 40, block_size=policy))
         out = [r.token for r in responses]
         assert out == ref[: len(out)] and (len(out) == 40 or out[-1] == 2)
@@ -177,8 +187,6 @@ def test_greedy_with_copies_matches_mlx_lm(family, block_size, drafter):
 def test_greedy_with_a_corpus_matches_mlx_lm(family):
     """The drafter's corpus holds the answers with every 10th token changed: its copies are accepted
     for a while, then rejected; one at a time and batched, the output stays mlx_lm's."""
-    from dflash_mlx.batch import BatchEngine
-
     model, tokenizer, prompts, refs = family
     corpus = [(t + 1) % model.target.vocab_size if i % 10 == 9 else t for ref in refs for i, t in enumerate(ref)]
     model.drafter.corpus = corpus_index(corpus)
@@ -190,7 +198,7 @@ def test_greedy_with_a_corpus_matches_mlx_lm(family):
             corpus_copied += responses[-1].stats.corpus_copied
             assert responses[-1].stats.corpus_tokens == len(corpus)
         assert corpus_copied > 0
-        engine = BatchEngine(model, block_size=8)
+        engine = Engine(model, block_size=8)
         uids = [engine.add(p, max_tokens=40, stop_tokens=[2]) for p in prompts]
         events = {}
         while not engine.idle:
@@ -230,32 +238,29 @@ def test_sampling_with_copies_is_exact(tiny_pair, rule):
     second = np.array(probabilities(target(mx.array([prompt + [t] for t in range(len(first))]))[:, -1], params))
     expected = first @ second
 
-    class CopyFirst(FixedBlockSize):
-        """Copy only whenever there is something to copy (the copies' prior says they always win)."""
-
-        def __init__(self):
-            super().__init__(4)
-            for rates in self.acceptance.copies + self.acceptance.corpus_copies:
-                rates.rates = [1.0] * len(rates.rates)
-            self.copy_only = 0
-
-        def record(self, plan, drafted, copy, committed, seconds):
-            self.copy_only += plan.copy and not plan.draft
-
+    # Rejection sampling is the rule of DFlash2 drafters (their selector's picks are not coupled).
+    pair = model if rule == "coupled" else DFlashModel(model.target, make_drafter(layout_config(
+        drafter_config(TARGETS["qwen3"]), "dflash2")))
+    pair.drafter.corpus = model.drafter.corpus
     mx.random.seed(4321)
     counts, copy_steps, accepted, from_corpus, runs = np.zeros(len(first), int), 0, 0, 0, 600
-    cache = DecodeCache.new(model.target, model.drafter)  # reused: each run prefills one token
+    engine = Engine(pair, block_size=4, prompt_cache=PromptCache())  # each run prefills one token
     for run in range(runs):
-        strategy = make_strategy(params, None, get_ops(), (run, len(first)) if rule == "coupled" else None)
-        policy = CopyFirst()
-        steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy, block_size=policy,
-                                   max_tokens=4, prompt_cache=cache)
-        next(steps)
-        step = next(steps)
-        counts[step.tokens[0]] += 1
-        copy_steps += policy.copy_only
-        accepted += step.copied > 0
-        from_corpus += step.from_corpus
+        uid = engine.add(prompt, max_tokens=4, temp=params.temp, seed=run if rule == "coupled" else None)
+        # Copy only whenever there is something to copy (the rates say copies always win).
+        acceptance = engine.pending[-1].acceptance
+        acceptance.drafter.rates = [0.0] * len(acceptance.drafter.rates)
+        for rates in acceptance.copies + acceptance.corpus_copies:
+            rates.rates = [1.0] * len(rates.rates)
+        events = []
+        while not engine.idle:
+            events += [e for e in engine.step() if e.uid == uid]
+        counts[events[1].token] += 1
+        copy_steps += events[-1].stats.copy_steps > 0
+        accepted += events[1].from_draft
+        copy = CopyIndex(prompt + [events[0].token], pair.drafter.corpus).suggest(3)  # what the step was offered
+        from_corpus += copy is not None and copy.from_corpus
+    assert events[-1].stats.sampling == rule
     assert chi_square_p_value(counts, expected) > ALPHA
     assert copy_steps > 0.8 * runs and 0 < accepted < copy_steps  # copies ran, some accepted, some rejected
-    assert 0.2 * copy_steps < from_corpus < 0.8 * copy_steps  # from both sources
+    assert 0.2 * runs < from_corpus < 0.8 * runs  # from both sources

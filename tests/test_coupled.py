@@ -11,13 +11,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from stats import ALPHA, chi_square_p_value
-from tiny import VOCAB
+from tiny import VOCAB, OracleDrafter, decode
 
 import dflash_mlx
-from dflash_mlx import stream_generate
-from dflash_mlx.adaptive import make_policy
-from dflash_mlx.batch import BatchEngine
-from dflash_mlx.decode import speculative_decode
+from dflash_mlx import DFlashModel, Engine, stream_generate
 from dflash_mlx.kernels import get_ops
 from dflash_mlx.sampling import Coupled, SamplingParams, filtered_logprobs, position_key, probabilities
 
@@ -82,11 +79,9 @@ def test_speculative_output_equals_plain_coupled_decoding(tiny_pair, family):
         reference = plain_coupled(model.target.model, prompt, params, seed, 24)
         for block_size in [1, 2, 4, "auto"]:
             for copies in [True, False]:
-                strategy = Coupled(params, get_ops(), seed, model.target.vocab_size)
-                block = make_policy(model) if block_size == "auto" else block_size
-                steps = speculative_decode(mx.array(prompt), model.target, model.drafter, strategy, block_size=block,
-                                           max_tokens=24, copy_proposals=copies)
-                assert [t for s in steps for t in s.tokens] == reference, (params, block_size, copies)
+                out, _ = decode(model, prompt, 24, engine_kwargs=dict(block_size=block_size, copy_proposals=copies),
+                                temp=params.temp, top_p=params.top_p, seed=seed)
+                assert out == reference, (params, block_size, copies)
 
 
 def test_seeded_generation_is_the_same_at_every_block_size_and_says_its_rule(tiny_pair):
@@ -105,25 +100,28 @@ def test_seeded_generation_is_the_same_at_every_block_size_and_says_its_rule(tin
 
 
 def test_batched_rows_equal_plain_coupled_decoding(tiny_pair):
-    """Each seeded row of the batch engine commits what plain coupled decoding with its seed does,
-    whatever its neighbours, their block sizes and acceptance (rows are ragged)."""
+    """Each seeded row of a batch commits what plain coupled decoding with its seed does, whatever
+    its neighbours, their block sizes and acceptance: an oracle proposes each row's own seeded
+    continuation, wrong at a different rate per row, so rows accept different counts (ragged)."""
     model, tokenizer = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
     prompts = [tokenizer.encode(text) for text in ["Once upon a time", "abc abc abc abc", "The end"]]
     settings = [(SETTINGS[0], 11), (SETTINGS[1], 12), (SETTINGS[2], 13)]
-    engine = BatchEngine(model, block_size=4)
-    uids = {}
-    for prompt, (params, seed) in zip(prompts, settings):
-        uids[engine.add(prompt, max_tokens=16, temp=params.temp, top_p=params.top_p, top_k=params.top_k,
-                        min_p=params.min_p, seed=seed, stop_tokens=[[2]])] = (prompt, params, seed)
-    out = {uid: [] for uid in uids}
-    while not engine.idle:
-        for event in engine.step():
-            out[event.uid].append(event.token)
-    for uid, (prompt, params, seed) in uids.items():
+    oracle = OracleDrafter(model.drafter)
+    engine = Engine(DFlashModel(model.target, oracle), block_size=4)
+    oracle.engine, references = engine, {}
+    for prompt, (params, seed), wrong in zip(prompts, settings, (0, 3, 5)):
         reference = plain_coupled(model.target.model, prompt, params, seed, 16)
         if 2 in reference:  # the stop token ends the request
             reference = reference[: reference.index(2) + 1]
-        assert out[uid] == reference, (params, seed)
+        uid = engine.add(prompt, max_tokens=16, temp=params.temp, top_p=params.top_p, top_k=params.top_k,
+                         min_p=params.min_p, seed=seed, stop_tokens=[[2]])
+        references[uid], oracle.refs[uid], oracle.wrong[uid] = reference, prompt + reference, wrong
+    out = {uid: [] for uid in references}
+    while not engine.idle:
+        for event in engine.step():
+            out[event.uid].append(event.token)
+    for uid, reference in references.items():
+        assert out[uid] == reference, uid
     assert engine.stats.ragged_steps > 0
 
 

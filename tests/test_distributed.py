@@ -4,8 +4,8 @@ Each launch loads one tiny target sharded over two ranks and runs every case on 
 (loading dominates the time): plain distributed mlx_lm greedy decoding of the same
 shards (``Driver.on_all_ranks``), DFlash greedy at block sizes 4 and 16 with a
 drafter that knows the answer but errs every 5th position (long accepted runs and
-partial rejections, so rollback runs on every rank), seeded sampling twice, and the
-public ``stream_generate`` path for the stats. Tensor parallel: qwen3; qwen3_5
+partial rejections, so rollback runs on every rank), two requests batched on rank 0,
+seeded sampling twice, and the public ``stream_generate`` path for the stats. Tensor parallel: qwen3; qwen3_5
 (hybrid; its untied head is split by vocabulary, so rank 0 drafts with a whole copy);
 llama with sliding-window layers. Pipeline parallel: qwen3_5, whose tapped layers
 live on both ranks.
@@ -49,17 +49,27 @@ def plain_greedy(model, tokenizer, prompt: list[int], max_tokens: int) -> list[i
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
 
 
-def dflash_tokens(target, drafter, block_size: int, temp: float = 0.0) -> tuple[list[int], list[tuple[int, int]]]:
-    import mlx.core as mx
+def dflash_tokens(pair, block_size: int, temp: float = 0.0) -> tuple[list[int], list[tuple[int, int]]]:
+    """One request through the engine: its tokens, and (block size, accepted proposals) per step."""
+    from tiny import decode
 
-    from dflash_mlx.decode import speculative_decode
-    from dflash_mlx.kernels import get_ops
-    from dflash_mlx.sampling import SamplingParams, make_strategy
+    tokens, stats = decode(pair, PROMPT, MAX_TOKENS, engine_kwargs=dict(block_size=block_size,
+                           prefill_step_size=PREFILL_STEP), temp=temp)
+    return tokens, [(b, n - 1) for b, n in zip(stats.block_sizes, stats.acceptance_lengths)]
 
-    strategy = make_strategy(SamplingParams(temp=temp), None, get_ops())
-    steps = list(speculative_decode(mx.array(PROMPT), target, drafter, strategy, block_size=block_size,
-                                    max_tokens=MAX_TOKENS, prefill_step_size=PREFILL_STEP))
-    return [t for s in steps for t in s.tokens], [(s.block_size, s.accepted) for s in steps[1:]]
+
+def batched_tokens(pair) -> list[list[int]]:
+    """Two requests decoded together (rows of different lengths), each one's tokens."""
+    from dflash_mlx import Engine
+
+    engine = Engine(pair, block_size=4, max_rows=2, prefill_step_size=PREFILL_STEP)
+    uids = [engine.add(prompt, max_tokens=MAX_TOKENS) for prompt in (PROMPT, PROMPT[:7])]
+    out = {uid: [] for uid in uids}
+    while not engine.idle:
+        for event in engine.step():
+            out[event.uid].append(event.token)
+    assert engine.stats.batched and max(engine.stats.rows) == 2
+    return [out[uid] for uid in uids]
 
 
 def rank_main(spec: dict) -> None:
@@ -67,6 +77,7 @@ def rank_main(spec: dict) -> None:
     from tiny import OracleDrafter
 
     import dflash_mlx
+    from dflash_mlx import DFlashModel
     from dflash_mlx.stats import format_stats
 
     pair, tokenizer = dflash_mlx.load(spec["target"], spec["draft"], pipeline=spec["pipeline"])
@@ -76,13 +87,14 @@ def rank_main(spec: dict) -> None:
             for _ in dflash_mlx.stream_generate(pair, tokenizer, PROMPT, 1000, block_size=4):
                 pass
     ref = pair.target.on_all_ranks(plain_greedy, PROMPT, MAX_TOKENS)
-    oracle = OracleDrafter(pair.drafter, PROMPT + ref, wrong_every=5)
-    out = {"mlx_lm": ref}
+    oracle = DFlashModel(pair.target, OracleDrafter(pair.drafter, PROMPT + ref, wrong_every=5))
+    out = {"mlx_lm": ref, "mlx_lm_short": pair.target.on_all_ranks(plain_greedy, PROMPT[:7], MAX_TOKENS)}
     for block_size in (4, 16):
-        out[f"block{block_size}"] = dflash_tokens(pair.target, oracle, block_size)
+        out[f"block{block_size}"] = dflash_tokens(oracle, block_size)
+    out["batched"] = batched_tokens(oracle)
     for run in range(2 if spec.get("sampling", True) else 0):
         mx.random.seed(SAMPLING_SEED)
-        out[f"sampled{run}"] = dflash_tokens(pair.target, oracle, 4, TEMP)[0]
+        out[f"sampled{run}"] = dflash_tokens(oracle, 4, TEMP)[0]
     response = None
     for response in dflash_mlx.stream_generate(pair, tokenizer, PROMPT, 12, block_size=4, prefill_step_size=PREFILL_STEP):
         pass
@@ -141,11 +153,11 @@ def _single_process(target: Path, draft: Path, ref: list[int]) -> dict:
 
     pair, _ = dflash_mlx.load(str(target), str(draft))
     out = {"mlx_lm": plain_greedy(pair.target.model, None, PROMPT, MAX_TOKENS)}
-    oracle = OracleDrafter(pair.drafter, PROMPT + ref, wrong_every=5)
+    oracle = dflash_mlx.DFlashModel(pair.target, OracleDrafter(pair.drafter, PROMPT + ref, wrong_every=5))
     for block_size in (4, 16):
-        out[f"block{block_size}"] = dflash_tokens(pair.target, oracle, block_size)[0]
+        out[f"block{block_size}"] = dflash_tokens(oracle, block_size)[0]
     mx.random.seed(SAMPLING_SEED)
-    out["sampled"] = dflash_tokens(pair.target, oracle, 4, TEMP)[0]
+    out["sampled"] = dflash_tokens(oracle, 4, TEMP)[0]
     return out
 
 
@@ -158,6 +170,9 @@ def _check_lossless(out: dict, mode: str) -> None:
         accepted = [a for b, a in steps]
         assert max(accepted) >= 3, steps  # long runs accepted ...
         assert any(a < b - 1 for b, a in steps), steps  # ... and blocks rejected part-way: rollbacks ran
+    # Batched on rank 0: each row its own greedy decoding (the short prompt's stops at the eos token).
+    short = out["mlx_lm_short"]
+    assert out["batched"][0] == ref and out["batched"][1] == short[: len(out["batched"][1])]
     if "sampled0" in out:
         assert out["sampled0"] == out["sampled1"], "seeded sampling is not reproducible"
         assert out["sampled0"] != ref, "sampling drew the greedy tokens: temp had no effect"

@@ -209,9 +209,9 @@ def test_layout_keys_are_read_where_each_layout_puts_them(tmp_path):
 
 
 def test_sliding_window_cache_keeps_the_last_rows_in_position_order():
-    from dflash_mlx.cache.window import SlidingWindowCache
+    from dflash_mlx.cache.context import ContextCache
 
-    cache = SlidingWindowCache(window=5)  # holds the last 4 rows
+    cache = ContextCache(keep=0, recent=4)  # a sliding window of 5 holds the last 4 rows
     rows = lambda a, b: mx.arange(a, b, dtype=mx.float32).reshape(1, 1, -1, 1)  # noqa: E731
     pos = 0
     for n in (3, 1, 1, 2, 1):  # context rows per step (1: a step that accepted nothing), then a 3-row block
@@ -219,6 +219,6 @@ def test_sliding_window_cache_keeps_the_last_rows_in_position_order():
         assert k[0, 0, :, 0].tolist() == list(range(max(0, pos - 4), pos + n + 3))  # position order, always
         cache.trim(3)
         pos += n
-        assert cache.offset == pos and cache.keys[0, 0, :, 0].tolist() == list(range(max(0, pos - 4), pos))
-    cache.skip(6)  # rows no block row can see: positions only
-    assert cache.offset == pos + 6 and cache.keys is None
+        assert cache.positions == [pos] and cache.keys[0, 0, : cache.lengths[0], 0].tolist() == list(range(max(0, pos - 4), pos))
+    cache.skip([6])  # rows no block row can see: positions only
+    assert cache.positions == [pos + 6] and cache.offset.tolist() == [pos + 6]

@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from stats import ALPHA, chi_square_p_value
-from tiny import LAYOUT_PROMPTS, LAYOUTS
+from tiny import LAYOUT_PROMPTS, LAYOUTS, decode
 
-from dflash_mlx import stream_generate
+from dflash_mlx import PromptCache, stream_generate
 from dflash_mlx.cli import main
 from dflash_mlx.convert import convert
-from dflash_mlx.decode import speculative_decode
 from dflash_mlx.models import load_drafter
 from dflash_mlx.kernels import get_ops, rejection_accept_twin
 from dflash_mlx.model import DFlashModel
@@ -38,11 +37,9 @@ def greedy_run(pair, tokenizer, block_size=8, max_tokens=40):
     """(tokens, accepted proposals) of greedy DFlash on every layout prompt."""
     tokens, accepted = {}, 0
     for text in LAYOUT_PROMPTS:
-        steps = list(speculative_decode(mx.array(tokenizer.encode(text)), pair.target, pair.drafter,
-                                        Greedy(OPS), block_size=block_size, max_tokens=max_tokens,
-                                        copy_proposals=False))  # the drafter's acceptance alone
-        tokens[text] = [t for s in steps for t in s.tokens]
-        accepted += sum(s.accepted for s in steps)
+        tokens[text], stats = decode(pair, tokenizer.encode(text), max_tokens,  # the drafter's acceptance alone
+                                     engine_kwargs=dict(block_size=block_size, copy_proposals=False))
+        accepted += stats.drafted
     return tokens, accepted
 
 
@@ -57,10 +54,9 @@ def test_copy_proposals_stay_lossless(released_drafters, layout):
         # An answer longer than the trained one: it falls into a loop, which copies continue.
         prompt, n = tokenizer.encode(text), 96
         reference = [int(t) for t, _ in generate_step(mx.array(prompt), pair.target.model, max_tokens=n)]
-        steps = list(speculative_decode(mx.array(prompt), pair.target, pair.drafter, Greedy(OPS), block_size=8,
-                                        max_tokens=n))
-        assert [t for s in steps for t in s.tokens] == reference
-        copy_steps += sum(s.copies > 0 for s in steps)
+        out, stats = decode(pair, prompt, n, engine_kwargs=dict(block_size=8))
+        assert out == reference
+        copy_steps += stats.copy_steps
     assert copy_steps > 0
 
 
@@ -163,17 +159,17 @@ def test_train_refuses_dflash2(released_drafters):
 def test_draft_window_and_prefix_reuse_with_sliding_layers(released_drafters):
     """--draft-window bounds the full-attention layers (sliding ones keep their window) and a reused
     conversation cache trims both kinds: still mlx_lm's tokens."""
-    from dflash_mlx.decode import DecodeCache
-
     target_dir, tokenizer, folders, answers = released_drafters
     pair = pair_of(target_dir, folders["2026"])
     text = LAYOUT_PROMPTS[0]
-    cache = DecodeCache.new(pair.target, pair.drafter, (2, 10))
-    first = [r.token for r in stream_generate(pair, tokenizer, text, 20, block_size=4, prompt_cache=cache)]
+    cache = PromptCache()
+    first = [r.token for r in stream_generate(pair, tokenizer, text, 20, block_size=4, prompt_cache=cache,
+                                              draft_window=(2, 10))]
     assert first == answers[text][: len(first)]
     follow_up = tokenizer.encode(text) + answers[text][:30]
     reference = mlx_lm_greedy(pair, follow_up, 12)
-    again = [r.token for r in stream_generate(pair, tokenizer, follow_up, 12, block_size=4, prompt_cache=cache)]
+    again = [r.token for r in stream_generate(pair, tokenizer, follow_up, 12, block_size=4, prompt_cache=cache,
+                                              draft_window=(2, 10))]
     assert again == reference[: len(again)] and len(again) >= 6
 
 
@@ -237,8 +233,9 @@ def test_dflash2_serves_and_benchmarks(released_drafters, tmp_path, capsys):
         close(server)  # joins the worker
 
 
-def test_dflash2_batch_generate_runs_one_row_at_a_time(released_drafters):
-    """The batch engine drafts DFlash2 with each request's own selector picks, a row at a time, and says so."""
+def test_dflash2_drafters_are_batched(released_drafters):
+    """DFlash2 rows are drafted together, each proposal picked by its own row's rule given the one
+    before (its selector), and each row commits what mlx_lm's greedy decoding does."""
     from dflash_mlx import batch_generate
 
     target_dir, tokenizer, folders, answers = released_drafters
@@ -246,5 +243,4 @@ def test_dflash2_batch_generate_runs_one_row_at_a_time(released_drafters):
     response = batch_generate(pair, tokenizer, LAYOUT_PROMPTS, max_tokens=24, block_size=4, return_token_ids=True)
     for text, ids in zip(LAYOUT_PROMPTS, response.token_ids):
         assert ids == answers[text][: len(ids)] and len(ids) == 24
-    assert not response.stats.batched and "DFlash2DraftModel drafters pick proposals row by row" in response.stats.reason
-    assert max(response.stats.rows) == 1
+    assert response.stats.batched and max(response.stats.rows) == 2 and response.stats.ragged_steps > 0

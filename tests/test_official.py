@@ -22,9 +22,8 @@ import mlx_lm
 import numpy as np
 import pytest
 from mlx_lm.models.cache import RotatingKVCache
-from tiny import EOS_ID, LAYOUT_PROMPTS, LAYOUTS, SLIDING_WINDOW
+from tiny import EOS_ID, LAYOUT_PROMPTS, LAYOUTS, SLIDING_WINDOW, decode
 
-from dflash_mlx.decode import speculative_decode
 from dflash_mlx.models import load_drafter
 from dflash_mlx.kernels import get_ops
 from dflash_mlx.model import DFlashModel
@@ -63,9 +62,12 @@ def official_steps(target_dir, draft_dir, prompt, block_size):
 
 def our_steps(pair, prompt, block_size):
     # The drafter's proposals alone, as the official drafts: copies would change the steps.
-    steps = speculative_decode(mx.array(prompt), pair.target, pair.drafter, Greedy(OPS), block_size=block_size,
-                               max_tokens=MAX_TOKENS, copy_proposals=False)
-    return [s.tokens for s in steps]
+    tokens, stats = decode(pair, prompt, MAX_TOKENS, engine_kwargs=dict(block_size=block_size, copy_proposals=False))
+    steps, at = [], 0
+    for n in [1] + stats.acceptance_lengths:  # the prefill's token, then each step's
+        steps.append(tokens[at : at + n])
+        at += n
+    return steps
 
 
 def until_eos(steps):

@@ -13,11 +13,10 @@ import pytest
 from stats import ALPHA, chi_square_p_value
 
 import dflash_mlx
-from dflash_mlx import stream_generate
-from dflash_mlx.decode import speculative_decode
+from dflash_mlx import DFlashModel, Engine, PromptCache, stream_generate
+from dflash_mlx.kernels import rejection_accept_twin
 from dflash_mlx.models import Drafter
-from dflash_mlx.kernels import get_ops, rejection_accept_twin
-from dflash_mlx.sampling import SamplingParams, make_strategy, probabilities
+from dflash_mlx.sampling import SamplingParams, probabilities
 
 # -- the acceptance rule on hand-made distributions ------------------------------
 
@@ -83,11 +82,8 @@ def test_vmapped_rule_equals_single_calls():
 
 
 class HalfKnowingDrafter(Drafter):
-    """Proposes the target's own (softened) distribution for the first position.
-
-    With q close to but not equal to p, the first proposal is sometimes accepted
-    and sometimes replaced by a residual sample: both paths are exercised.
-    """
+    """Proposes from the target's own (softened) distribution at the first position: its pick
+    is sometimes the target's and sometimes not, so both accepted and rejected proposals run."""
 
     def __init__(self, drafter, target_model, prompt):
         super().__init__(drafter.args)
@@ -122,20 +118,21 @@ def test_loop_second_token_distribution(tiny_pair, params):
     second_given_first = np.array(probabilities(target(batch)[:, -1], params))
     expected = first @ second_given_first
 
-    drafter = HalfKnowingDrafter(model.drafter, target, prompt)
-    strategy = make_strategy(params, None, get_ops())
-    mx.random.seed(1234)
+    # Through the engine (coupled sampling, the rule of DFlash drafters), a seed per run; each run
+    # after the first prefills one token (the prompt cache).
+    engine = Engine(DFlashModel(model.target, HalfKnowingDrafter(model.drafter, target, prompt)), block_size=4,
+                    prompt_cache=PromptCache())
     counts, accepted, runs = np.zeros(len(first), int), 0, 1500
-    for _ in range(runs):
-        steps = speculative_decode(
-            mx.array(prompt), model.target, drafter, strategy, block_size=4, max_tokens=4
-        )
-        next(steps)  # the prefill's token
-        step = next(steps)
-        counts[step.tokens[0]] += 1
-        accepted += step.accepted >= 1
+    for run in range(runs):
+        engine.add(prompt, max_tokens=4, temp=params.temp, top_p=params.top_p, top_k=params.top_k,
+                   min_p=params.min_p, seed=run)
+        events = []
+        while not engine.idle:
+            events += engine.step()
+        counts[events[1].token] += 1
+        accepted += events[1].from_draft
     assert chi_square_p_value(counts, expected) > ALPHA
-    assert 0.05 * runs < accepted < 0.98 * runs  # both accept and residual paths ran
+    assert 0.05 * runs < accepted < 0.98 * runs  # both accepted and rejected proposals ran
 
 
 def test_seed_makes_sampling_reproducible(tiny_pair):

@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_logits_processors
 import dflash_mlx
 from dflash_mlx import stream_generate
 from dflash_mlx.server import add_arguments, close, make_server
-from tiny import NO_EOS, RowOracleDrafter
+from tiny import NO_EOS, OracleDrafter
 
 PROMPTS = [f"Request {i}: " + "story " * (3 * i + 1) for i in range(8)]
 MAX_TOKENS = [40, 12, 64, 25, 48, 9, 56, 33]
@@ -49,8 +49,8 @@ def server(pair, reference):
     """A batching server whose engine drafts with an oracle: proposals are each request's own
     reference, wrong every ``WRONG_EVERY``-th position, so rows accept different counts per step."""
     srv = start(pair, "--block-size", "4", "--decode-concurrency", "8")
-    engine = srv.app.worker.batch.engine
-    oracle = RowOracleDrafter(engine.drafter)
+    engine = srv.app.worker.engine
+    oracle = OracleDrafter(engine.drafter)
     prompt_of = {tuple(ids[: len(ids) - n]): p for p, (_, ids), n in zip(PROMPTS, reference.values(), MAX_TOKENS)}
 
     class ByPrompt(dict):  # uid -> the value of the request's prompt, looked up when first asked
@@ -103,7 +103,7 @@ def metrics(port):
 
 def test_concurrent_clients_get_their_single_request_outputs(server, reference):
     port = server.server_address[1]
-    engine = server.app.worker.batch.engine
+    engine = server.app.worker.engine
     step, together = engine.step, START_AFTER.count(0.0)
 
     deadline = time.monotonic() + 30
@@ -165,18 +165,12 @@ def test_bad_request_in_a_batch_is_refused_alone(server, reference):
 
 
 @pytest.mark.parametrize("concurrency", ["8", "1"])
-def test_prefill_step_size_reaches_both_paths(pair, reference, concurrency, monkeypatch):
-    """--prefill-step-size sets the batch engine's chunks and one-at-a-time prefill alike."""
-    import dflash_mlx.generation as generation
-
-    seen, stream = [], generation.stream_generate
-    monkeypatch.setattr(generation, "stream_generate", lambda *a, **k: (seen.append(k.get("prefill_step_size")),
-                                                                        stream(*a, **k))[1])
+def test_prefill_step_size_reaches_the_engine(pair, reference, concurrency):
+    """--prefill-step-size sets the engine's prefill chunks, one request at a time or batched."""
     srv = start(pair, "--block-size", "4", "--prefill-step-size", "3", "--decode-concurrency", concurrency)
     try:
         assert completion(srv.server_address[1], PROMPTS[2], MAX_TOKENS[2]) == reference[PROMPTS[2]][0]
-        batch = srv.app.worker.batch
-        assert (batch.engine.prefill_step_size, seen) == (3, []) if batch else seen == [3]
+        assert srv.app.worker.engine.prefill_step_size == 3 and srv.app.worker.engine.max_rows == int(concurrency)
     finally:
         srv.shutdown()
         close(srv)
@@ -189,7 +183,7 @@ def test_unbatchable_pair_says_why(pair):
         assert m["batched"] == 0
         conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=30)
         conn.request("GET", "/metrics")
-        assert 'dflash_batched{reason="--decode-concurrency is 1"} 0' in conn.getresponse().read().decode()
+        assert 'dflash_batched{reason="max_rows is 1"} 0' in conn.getresponse().read().decode()
     finally:
         srv.shutdown()
         close(srv)

@@ -447,25 +447,18 @@ def test_openai_client(port, env):
 
 
 def test_failing_job_ends_alone(port, env, monkeypatch):
-    """An exception inside generation costs that request (500, or an error event), not the worker;
-    batched (the server's default) or one at a time."""
-    import dflash_mlx.generation as generation
-    from dflash_mlx.batch import BatchEngine
+    """An exception inside generation costs the requests of that step (500, or an error event),
+    not the worker."""
+    from dflash_mlx.engine import Engine
 
-    real, real_step = generation.stream_generate, BatchEngine.step
-
-    def failing(*args, **kwargs):
-        for response in real(*args, **kwargs):
-            yield response
-            raise RuntimeError("injected failure")
+    real_step = Engine.step
 
     def failing_step(engine):
         if engine.rows:  # a request is decoding: its first token went out with its prefill
             raise RuntimeError("injected failure")
         return real_step(engine)
 
-    monkeypatch.setattr(generation, "stream_generate", failing)
-    monkeypatch.setattr(BatchEngine, "step", failing_step)
+    monkeypatch.setattr(Engine, "step", failing_step)
     status, raw = chat(port)
     assert status == 500 and json.loads(raw)["error"] == {
         "message": "generation failed: injected failure", "type": "server_error", "param": None, "code": None,

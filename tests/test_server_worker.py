@@ -5,23 +5,76 @@ import http.client
 import json
 import threading
 
+from types import SimpleNamespace
+
 import pytest
 
+from dflash_mlx.engine import TokenEvent
 from dflash_mlx.server.request import GenerationParams
+from dflash_mlx.stats import EngineStats, SpeculativeStats
 from dflash_mlx.server.http import App, Server
 from dflash_mlx.server.worker import End, Job, Metrics, Unavailable, Worker
 
 
-class Response:  # the fields of a GenerationResponse the worker reads
-    def __init__(self, text):
-        self.text = text
+class Detokenizer:
+    def __init__(self):
+        self.last_segment = ""
+
+    def add_token(self, token):
+        self.last_segment = str(token)
+
+    def finalize(self):
+        pass
 
 
-def worker(monkeypatch, generate, load=lambda self: None):
-    """A Worker whose model is a function: ``generate(job)`` puts responses or raises."""
-    monkeypatch.setattr(Worker, "_load", load)
-    monkeypatch.setattr(Worker, "_generate", lambda self, job: generate(job))
-    w = Worker(argparse.Namespace(), Metrics())
+class Tokenizer:  # what the worker reads of mlx_lm's TokenizerWrapper
+    eos_token_ids = [0]
+
+    @property
+    def detokenizer(self):
+        return Detokenizer()
+
+
+class Engine:
+    """Runs one request per step: ``generate(prompt)`` gives its tokens, or raises."""
+
+    def __init__(self, generate):
+        self.generate, self.stats = generate, EngineStats(batched=True)
+        self.pending, self.rows, self.max_rows, self._uids = [], [], 8, iter(range(10**6))
+
+    @property
+    def idle(self):
+        return not self.pending and not self.rows
+
+    def add(self, prompt, **kwargs):
+        self.pending.append(SimpleNamespace(uid=next(self._uids), prompt=prompt, stats=SpeculativeStats(4, "mlx")))
+        return self.pending[-1].uid
+
+    def cached_tokens(self, uid):
+        return 0
+
+    def cancel(self, uid):
+        self.rows = [r for r in self.rows if r.uid != uid]
+        self.pending = [r for r in self.pending if r.uid != uid]
+
+    def step(self):
+        if not self.rows:
+            self.rows.append(self.pending.pop(0))
+        row = self.rows.pop(0)
+        tokens = self.generate(row.prompt)
+        return [TokenEvent(row.uid, t, False, "length" if i == len(tokens) - 1 else None, None,
+                           row.stats if i == len(tokens) - 1 else None) for i, t in enumerate(tokens)]
+
+
+def worker(monkeypatch, generate, load=None):
+    """A Worker whose engine is ``Engine(generate)``."""
+    def loaded(self):
+        self.tokenizer = Tokenizer()
+        self.engine = self._engine()
+
+    monkeypatch.setattr(Worker, "_load", load or loaded)
+    monkeypatch.setattr(Worker, "_engine", lambda self: Engine(generate))
+    w = Worker(argparse.Namespace(block_size=4), Metrics())
     w.start()
     w.ready.wait(10)
     return w
@@ -34,19 +87,19 @@ def events(job, timeout=10):
     return out
 
 
-def test_a_failing_job_ends_alone(monkeypatch):
-    def generate(job):
-        if job.params.prompt == [666]:
+def test_a_failing_step_ends_its_jobs_and_the_next_is_served(monkeypatch):
+    def generate(prompt):
+        if prompt == [666]:
             raise RuntimeError("boom")
-        job.events.put(Response("fine"))
+        return [7]
 
     w = worker(monkeypatch, generate)
     bad, good = Job(GenerationParams([666], 4)), Job(GenerationParams([1], 4))
     w.submit(bad)
-    w.submit(good)
     assert events(bad) == [End("generation failed: boom", 500)]
+    w.submit(good)  # the worker goes on with a fresh engine
     got = events(good)
-    assert got[0].text == "fine" and got[1] == End()
+    assert got[0].text == "7" and got[0].finish_reason == "length" and got[1] == End()
     assert w.state == "ready" and w.metrics.failed == 1
     w.close()
     w.join(10)
@@ -58,9 +111,10 @@ def test_a_failing_job_ends_alone(monkeypatch):
 def test_close_ends_running_and_queued_jobs(monkeypatch):
     started, release = threading.Event(), threading.Event()
 
-    def generate(job):
+    def generate(prompt):
         started.set()
         release.wait(10)
+        return [7]
 
     w = worker(monkeypatch, generate)
     running, queued = Job(GenerationParams([1], 4)), Job(GenerationParams([2], 4))
@@ -75,8 +129,8 @@ def test_close_ends_running_and_queued_jobs(monkeypatch):
 
 
 def test_a_broken_loop_is_reported(monkeypatch):
-    w = worker(monkeypatch, lambda job: None)
-    monkeypatch.setattr(Worker, "_run", lambda self, job: (_ for _ in ()).throw(SystemExit("bug")))
+    w = worker(monkeypatch, lambda prompt: [7])
+    monkeypatch.setattr(Worker, "_step", lambda self: (_ for _ in ()).throw(SystemExit("bug")))
     w.submit(Job(GenerationParams([1], 4)))
     w.join(10)
     assert w.state == "failed" and "the generation worker stopped: bug" in w.error
@@ -89,7 +143,7 @@ def test_health_says_503_when_the_worker_cannot_serve(monkeypatch, state):
     def load(self):
         raise OSError("no weights")
 
-    w = worker(monkeypatch, lambda job: None, load if state == "failed-load" else lambda self: None)
+    w = worker(monkeypatch, lambda prompt: [7], load if state == "failed-load" else None)
     if state == "stopped":
         w.close()
     w.join(10)

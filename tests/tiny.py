@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -10,7 +11,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from dflash_mlx.adaptive import PLAIN, Acceptance, Plan
+from dflash_mlx.copying import Copy
+from dflash_mlx.policy import PLAIN, Acceptance, BlockPolicy, Plan
 from dflash_mlx.models import Drafter, drafter_classes
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<mask>"]
@@ -137,82 +139,80 @@ def save_drafter(path: Path, config: dict, seed: int = 1, dtype=mx.float32) -> P
     return path
 
 
-class ScriptedPolicy:
+@dataclass
+class PolicyRow:
+    """What the block policy reads of a running request (``engine.Row``), for driving it alone."""
+
+    acceptance: Acceptance
+    copy: Copy | None = None
+    block_cap: int | None = None
+    room: int = 1000
+    context: int = 128
+    merges: bool = True
+
+
+class ScriptedPolicy(BlockPolicy):
     """A block policy that plays ``sizes`` over and over (1: a plain step, else a drafted block) and
-    always says a plain step comes next: the decode loop then runs each plain step's successor
-    ahead, so a drafted block after it verifies its proposals after an anchor that already ran."""
+    always says a plain step comes next: the engine then runs each plain step's successor ahead,
+    so a drafted block after it verifies its proposals after an anchor that already ran."""
 
     def __init__(self, sizes: list[int]):
+        super().__init__(max(sizes), prior=0.5, optimism=0.0)
         self.sizes, self.step = sizes, 0
-        self.max_block_size = self.copy_block_size = max(sizes)
-        self.acceptance = Acceptance(self.max_block_size, self.max_block_size, 0.5, 0.8, 0.0)
 
-    def plan(self, copy, merge) -> Plan:
+    def plan(self, rows) -> Plan:
         B, self.step = self.sizes[self.step % len(self.sizes)], self.step + 1
-        return PLAIN if B == 1 else Plan(B, True, False)
+        return PLAIN if B == 1 else Plan(B, True)
 
-    def expects_plain(self) -> bool:
+    def expects_plain(self, rows) -> bool:
         return True
 
-    def record(self, plan, drafted, copy, committed, seconds) -> None:
-        pass
+
+def decode(model, prompt: list[int], max_tokens: int, *, engine_kwargs: dict | None = None, **request):
+    """One request through the engine alone: its tokens (the stop token included) and its stats."""
+    from dflash_mlx import Engine
+
+    engine = Engine(model, max_rows=1, **(engine_kwargs or {}))
+    engine.add(prompt, max_tokens=max_tokens, **request)
+    events = []
+    while not engine.idle:
+        events += engine.step()
+    return [e.token for e in events], events[-1].stats
 
 
 class OracleDrafter(Drafter):
-    """A drafter that knows the answer: the target's own greedy continuation.
+    """A drafter that knows the answer: the target's own continuation.
 
-    It still runs the real drafter forward (so cache bookkeeping is exercised)
-    but replaces its logits with a peak on the reference token, corrupting every
-    ``wrong_every``-th position so some blocks are rejected part-way.
+    It still runs the real drafter forward (so cache bookkeeping is exercised) but replaces its
+    logits with a peak on the reference token, corrupting every ``wrong``-th position (0: never)
+    so some blocks are rejected part-way. Every row drafts ``reference``; with ``engine`` set, row
+    r drafts ``refs[uid]`` of request ``engine.uids[r]`` (prompt + the target's continuation),
+    wrong every ``wrong[uid]``-th position. One-hot rows are built by comparison.
     """
 
-    def __init__(self, drafter: Drafter, reference: list[int], wrong_every: int = 0):
+    def __init__(self, drafter: Drafter, reference: list[int] | None = None, wrong_every: int = 0):
         super().__init__(drafter.args)
         self.update(drafter.parameters())
         self.reference, self.wrong_every = reference, wrong_every
-
-    def __call__(self, block_embeddings, context_hidden, cache, lm_head, ops):
-        logits = super().__call__(block_embeddings, context_hidden, cache, lm_head, ops)
-        start = cache[0].offset  # the anchor's position: context rows are positions 0..start-1
-        V = logits.shape[-1]
-        rows = []
-        for i in range(1, block_embeddings.shape[1]):
-            pos = start + i
-            tok = self.reference[pos] if pos < len(self.reference) else 0
-            if self.wrong_every and pos % self.wrong_every == 0:
-                tok = (tok + 1) % V
-            rows.append(tok)
-        return logits * 0 + 30.0 * mx.eye(V)[mx.array(rows)]
-
-
-class RowOracleDrafter(Drafter):
-    """``OracleDrafter`` for the batch engine: row r proposes the reference of request
-    ``engine.uids[r]`` (``refs[uid]``: prompt + the target's continuation), wrong at
-    every ``wrong[uid]``-th position (0: never). Set ``engine`` once it is built.
-
-    One-hot rows are built by comparison, which a real vocabulary can afford.
-    """
-
-    def __init__(self, drafter: Drafter):
-        super().__init__(drafter.args)
-        self.update(drafter.parameters())
         self.refs, self.wrong, self.engine = {}, {}, None
 
     def __call__(self, block_embeddings, context_hidden, cache, lm_head, ops):
         logits = super().__call__(block_embeddings, context_hidden, cache, lm_head, ops)
         R, L = block_embeddings.shape[:2]
-        if L == 1:  # a prompt chunk absorbed while prefilling: nothing drafted
-            return logits
         rows = []
-        for r, uid in enumerate(self.engine.uids):
-            ref, every, start = self.refs[uid], self.wrong[uid], cache[0].lengths[r]
+        for r in range(R):
+            uid = self.engine.uids[r] if self.engine is not None else None
+            ref = self.refs[uid] if uid is not None else self.reference
+            every = self.wrong[uid] if uid is not None else self.wrong_every
+            start = cache[0].positions[r]  # the anchor's position: context rows are positions 0..start-1
             for pos in range(start + 1, start + L):
                 tok = ref[pos] if pos < len(ref) else 0
                 rows.append((tok + 1) % logits.shape[-1] if every and pos % every == 0 else tok)
         hot = mx.arange(logits.shape[-1]) == mx.array(rows).reshape(R, L - 1, 1)
-        # Depends on the real logits (so the forward runs) without their -inf
-        # outside a draft vocabulary.
+        # Depends on the real logits (so the forward runs) without their -inf outside a draft vocabulary.
         return mx.depends(mx.where(hot, 30.0, 0.0), logits)
+
+
 # -- released checkpoint layouts ---------------------------------------------------
 
 SLIDING_WINDOW = 8

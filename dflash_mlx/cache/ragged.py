@@ -160,6 +160,10 @@ class RaggedKVCache:
     def state(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
 
+    def filled(self) -> bool:
+        """Whether every row ends where the arrays ``update_and_fetch`` returns end (no row is shorter)."""
+        return len(set(self.lengths)) == 1
+
     def size(self) -> int:
         return max(self.lengths, default=0)
 

@@ -4,13 +4,11 @@ The verify forward appends all ``B`` block rows to every layer's cache; when onl
 ``n + 1`` of them are committed, each cache must end exactly where plain
 decoding of the committed tokens would leave it. How depends on the cache type:
 
-- ``KVCache`` (and any other cache that is trimmable at rest): drop the newest
-  rows with ``trim``.
-- ``RotatingKVCache`` (sliding-window layers): its ring buffer overwrites rows
-  that are still inside the window, so a rejected row cannot be undone once it
-  is full. We build a ``WindowKVCache`` instead: rows in temporal order, with the
-  ``window - 1`` rows before the newest forward kept, so dropping rejected rows
-  never loses context the next query needs.
+- Attention layers, sliding-window ones included, hold ``RaggedKVCache``: every row
+  of every row kept (a sliding window is a mask by position), so dropping a row's
+  newest entries only lowers its length and any tail can be undone. mlx_lm's own
+  ``RotatingKVCache`` could not: its ring buffer overwrites rows that are still
+  inside the window.
 - ``ArraysCache`` of a Gated DeltaNet layer (``linear_attn``: qwen3_next,
   qwen3_5, qwen3_5_moe): conv and recurrent state cannot be un-applied. Before
   each forward we keep references to the two state arrays (free: mlx_lm replaces
@@ -41,7 +39,6 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from ..errors import DFlashError
@@ -51,68 +48,6 @@ SUPPORTED = (
     "attention (KVCache), sliding-window (RotatingKVCache, keep=0) and Gated DeltaNet "
     "(qwen3_next, qwen3_5) layers"
 )
-
-
-class WindowKVCache:
-    """A sliding-window KV cache that can drop its newest rows.
-
-    ``offset`` is the absolute position of the next token (models use it for
-    RoPE). Rows are kept in temporal order; an update first drops rows no query
-    of the new forward can see, then appends, so after any forward the cache
-    still holds the ``window - 1`` rows before that forward's first token.
-    """
-
-    def __init__(self, window: int):
-        self.window = window
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        self.offset = 0
-
-    def _past(self) -> int:
-        """Rows before the next forward's first token that stay visible."""
-        return 0 if self.keys is None else min(self.keys.shape[2], self.window - 1)
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            drop = self.keys.shape[2] - self._past()
-            self.keys = mx.concatenate([self.keys[..., drop:, :], keys], axis=2)
-            self.values = mx.concatenate([self.values[..., drop:, :], values], axis=2)
-        self.offset += keys.shape[2]
-        return self.keys, self.values
-
-    def make_mask(
-        self, N: int, window_size: int | None = None, return_array: bool = False
-    ) -> mx.array | None:
-        # Called before update_and_fetch: the keys will be [past rows ; N new rows].
-        if N == 1:
-            return None  # past <= window - 1, so the single query sees every row
-        return create_causal_mask(N, self._past(), window_size=window_size or self.window)
-
-    def trim(self, n: int) -> int:
-        n = min(n, 0 if self.keys is None else self.keys.shape[2])
-        if n:
-            self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
-            self.offset -= n
-        return n
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def size(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
 class _Projection:
@@ -181,7 +116,7 @@ class CachePolicy:
         self.model_type = model_type
         # layer index -> Gated DeltaNet mixer, for ArraysCache layers
         self.mixers: dict[int, nn.Module] = {}
-        # layer index -> window, for RotatingKVCache layers
+        # layer index -> window, for RotatingKVCache layers (attention masked by position)
         self.windows: dict[int, int] = {}
         for i, c in enumerate(self._model_cache()):
             if type(c) is RotatingKVCache:
@@ -209,7 +144,7 @@ class CachePolicy:
         )
         # Whether rollback reaches only into the last forward; a sharded target sets it
         # when any rank holds such layers, so that every rank refuses the same rollbacks.
-        self.restricted = bool(self.mixers or self.windows)
+        self.restricted = bool(self.mixers)
         self._records: list[tuple[int, ArraysCache, tuple, dict]] = []
         self._rows = 0
         self._cache: list | None = None
@@ -218,18 +153,12 @@ class CachePolicy:
         make = getattr(self.model, "make_cache", None)
         return make() if make is not None else [KVCache() for _ in self.model.layers]
 
-    def make_cache(self) -> list:
-        cache = self._model_cache()
-        for i, window in self.windows.items():
-            cache[i] = WindowKVCache(window)
-        return cache
-
-    def make_batch_cache(self, rows: int = 1) -> list:
-        """Caches of ``rows`` rows for the batch engine, joined with others along the batch axis.
+    def make_cache(self, rows: int = 1) -> list:
+        """Caches of ``rows`` rows, joined with others along the batch axis.
 
         Attention layers get ``RaggedKVCache`` (each row trims its own rejected
         tail); Gated DeltaNet layers keep mlx_lm's ``ArraysCache``, whose batched
-        form ``rollback_rows`` replays per row.
+        form ``rollback`` replays per row.
         """
         cache = self._model_cache()
         return [c if i in self.mixers else RaggedKVCache(rows, self.windows.get(i)) for i, c in enumerate(cache)]
@@ -249,39 +178,18 @@ class CachePolicy:
         """The next rollback may not reach into the previous forward (e.g. prefill)."""
         self._records, self._rows, self._cache = [], 0, None
 
-    def rollback(self, cache: list, num_tokens: int) -> None:
-        """Drop the last ``num_tokens`` rows that the most recent undoable forward added.
-
-        Repeated calls reach back to the start of that forward (a chat's next turn
-        drops the rows the drafter has not seen yet).
-        """
-        if not num_tokens:
-            return
-        if self.restricted and (cache is not self._cache or num_tokens > self._rows):
-            # Recurrent state and dropped window rows exist only for the last forward.
+    def rollback(self, cache: list, drops: list[int]) -> None:
+        """Drop the last ``drops[r]`` rows of row r, all from the last undoable forward on ``cache``."""
+        if self.restricted and (cache is not self._cache or max(drops) > self._rows):
             raise DFlashError(
-                f"cannot roll back {num_tokens} tokens on a {self.model_type!r} target: its "
-                f"recurrent/sliding-window layers can only drop the {self._rows} rows the last "
-                "forward on this cache added; start from a fresh cache (target.make_cache())"
+                f"cannot roll back {max(drops)} tokens on a {self.model_type!r} target: its recurrent "
+                f"layers can only drop the {self._rows} rows the last forward on this cache added"
             )
-        keep = self._rows - num_tokens
-        for i, c in enumerate(cache):
-            if i not in self.mixers:
-                c.trim(num_tokens)
-        self._replay([keep])
-        self._rows = keep
-
-    def rollback_rows(self, cache: list, drops: list[int]) -> None:
-        """Batched rollback: drop the last ``drops[r]`` rows of row r from the last undoable forward."""
-        if self.mixers and cache is not self._cache:
-            raise DFlashError(
-                f"cannot roll back a batch on a {self.model_type!r} target: its recurrent layers "
-                "can only undo the last forward on this cache"
-            )
-        for i, c in enumerate(cache):
-            if i not in self.mixers:
-                c.trim_rows(drops)
-        self._replay([self._rows - d for d in drops])
+        if any(drops):  # a block accepted whole leaves every state as it is
+            for i, c in enumerate(cache):
+                if i not in self.mixers:
+                    c.trim_rows(drops)
+            self._replay([self._rows - d for d in drops])
         self.forget()
 
     def _replay(self, keep: list[int]) -> None:

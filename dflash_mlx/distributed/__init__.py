@@ -69,7 +69,7 @@ class ShardedTarget(Target):
         self.remote_ids: list[int] = []  # tapped layers that other ranks hold
         self.gather_seconds = 0.0
 
-    def join(self, group, remote_ids: list[int]) -> None:
+    def connect(self, group, remote_ids: list[int]) -> None:
         """Agree on rollback limits and time a collective; every rank calls this at the same point."""
         self.group, self.remote_ids = group, remote_ids
         restricted = mx.distributed.all_sum(int(self.cache_policy.restricted), group=group, stream=mx.cpu)
@@ -99,7 +99,7 @@ class ShardedTarget(Target):
         if self.remote_ids:
             taps = {**taps, **self._gather(taps, tokens, cache)}
         if len(taps) < len(self.layer_ids):  # a pipeline stage other than rank 0, which never drafts
-            return mx.zeros((1, tokens.shape[1], 0), self.dtype)
+            return mx.zeros((*tokens.shape, 0), self.dtype)
         # Under tensor parallelism every rank evaluates the taps, as rank 0 does: a tapped
         # last layer holds collectives that no cache state depends on.
         return super()._hidden(taps, tokens, cache)
@@ -109,7 +109,7 @@ class ShardedTarget(Target):
         # The pipeline's send/recv first: left to the scheduler, this all_sum could run
         # before a stage's send on one rank and after it on another.
         mx.eval(list(taps.values()), [c.state for c in cache])
-        zeros = mx.zeros((1, tokens.shape[1], self.hidden_size), self.dtype)
+        zeros = mx.zeros((*tokens.shape, self.hidden_size), self.dtype)
         rows = mx.concatenate([taps.get(i, zeros) for i in self.remote_ids], axis=-1)
         tic = time.perf_counter()
         rows = mx.distributed.all_sum(rows, group=self.group)
@@ -175,43 +175,64 @@ class Driver:
         self.shards.control.send(order)
         return time.perf_counter() - tic
 
-    def make_cache(self) -> list:
-        cache = _Cache(self.target.make_cache())
-        cache.id = next(self._ids)
-        self._order("cache", cache)
-        weakref.finalize(cache, self._freed.append, cache.id)
+    def _named(self, cache: list | None) -> _Cache | None:
+        """``cache`` under a new id; the other ranks drop theirs once rank 0 lets go of it."""
+        if cache is None:
+            return None
+        named = _Cache(cache)
+        named.id = next(self._ids)
+        weakref.finalize(named, self._freed.append, named.id)
+        return named
+
+    def make_cache(self, rows: int = 1) -> list:
+        cache = self._named(self.target.make_cache(rows))
+        self._order("cache", cache, rows=rows)
         return cache
 
-    def __call__(self, tokens: mx.array, cache: _Cache) -> tuple[mx.array, mx.array]:
-        control = self._order("verify", cache, tokens=tokens.reshape(-1).tolist())
+    def __call__(self, tokens: mx.array, cache: _Cache, logits_at: list[int] | None = None) -> tuple[mx.array, mx.array]:
+        control = self._order("forward", cache, tokens=tokens.tolist(), logits_at=logits_at)
         gathered = self.target.gather_seconds
         with _collectives():
-            logits, hidden = self.target(tokens, cache)
+            logits, hidden = self.target(tokens, cache, logits_at)
             mx.eval(logits, hidden)
         if self.record is not None:
             r = self.record
             r.steps += 1
             r.control_seconds += control
             r.gather_seconds += self.target.gather_seconds - gathered
-            r.collective_seconds += self.target.collective_seconds(tokens.shape[1])
+            r.collective_seconds += self.target.collective_seconds(tokens.size)
         return logits, hidden
 
-    def prefill(
-        self, prompt: mx.array, cache: _Cache, step_size: int = 2048, keep_rows: int | None = None
-    ) -> tuple[mx.array, mx.array]:
-        # keep_rows only bounds the hidden rows rank 0 keeps for its drafter: the others need not know.
-        self._order("prefill", cache, tokens=prompt.tolist(), step=step_size)
+    def prefill_rows(self, caches: list[_Cache], chunks: list[list[int]]) -> list[tuple[mx.array, mx.array]]:
+        self._order("prefill", None, caches=[c.id for c in caches], chunks=chunks)
         with _collectives():
-            logits, hidden = self.target.prefill(prompt, cache, step_size, keep_rows)
-            mx.eval(logits, hidden)
-        return logits, hidden
+            outputs = self.target.prefill_rows(caches, chunks)
+            mx.eval(outputs)
+        return outputs
 
-    def rollback(self, cache: _Cache, num_tokens: int) -> None:
-        self.target.rollback(cache, num_tokens)  # refuses what any rank would refuse
-        if num_tokens:
+    prefill = Target.prefill  # through prefill_rows, so that the other ranks follow
+
+    def rollback(self, cache: _Cache, drops: int | list[int]) -> None:
+        drops = [drops] * self.target.rows(cache) if isinstance(drops, int) else list(drops)
+        self.target.rollback(cache, drops)  # refuses what any rank would refuse
+        if any(drops):
             if self._rollback:  # one rollback rides along per order
                 self._order("noop")
-            self._rollback = [cache.id, num_tokens]
+            self._rollback = [cache.id, drops]
+
+    def join(self, cache: _Cache, other: _Cache) -> None:
+        self._order("join", cache, other=other.id)
+        self.target.join(cache, other)
+
+    def keep(self, cache: _Cache, rows: list[int]) -> None:
+        self._order("keep", cache, rows=rows)
+        self.target.keep(cache, rows)
+
+    def take(self, cache: _Cache, row: int, length: int) -> _Cache | None:
+        taken = self._named(self.target.take(cache, row, length))
+        if taken is not None:
+            self._order("take", cache, row=row, length=length, into=taken.id)
+        return taken
 
     def on_all_ranks(self, fn: Callable[..., Any], *args) -> Any:
         """``fn(model, tokenizer, *args)`` on every rank with its shard; rank 0's result.
@@ -240,17 +261,23 @@ def follow(target: ShardedTarget, control: Control, tokenizer: TokenizerWrapper)
         order = control.next_order()
         try:
             if order.get("rollback"):
-                cache_id, num_tokens = order["rollback"]
-                target.rollback(caches[cache_id], num_tokens)
+                cache_id, drops = order["rollback"]
+                target.rollback(caches[cache_id], drops)
             for cache_id in order.get("free", ()):
-                del caches[cache_id]
-            op = order["op"]
+                caches.pop(cache_id, None)
+            op, cache = order["op"], caches.get(order.get("cache"))
             if op == "cache":
-                caches[order["cache"]] = target.make_cache()
-            elif op == "verify":
-                mx.eval(target(mx.array([order["tokens"]], mx.int32), caches[order["cache"]]))
+                caches[order["cache"]] = target.make_cache(order["rows"])
+            elif op == "forward":
+                mx.eval(target(mx.array(order["tokens"], mx.int32), cache, order["logits_at"]))
             elif op == "prefill":
-                mx.eval(target.prefill(mx.array(order["tokens"], mx.int32), caches[order["cache"]], order["step"]))
+                mx.eval(target.prefill_rows([caches[i] for i in order["caches"]], order["chunks"]))
+            elif op == "join":
+                target.join(cache, caches.pop(order["other"]))
+            elif op == "keep":
+                target.keep(cache, order["rows"])
+            elif op == "take":
+                caches[order["into"]] = target.take(cache, order["row"], order["length"])
             elif op == "call":
                 module, name = order["fn"].split(":")
                 getattr(importlib.import_module(module), name)(target.model, tokenizer, *order["args"])
@@ -297,7 +324,7 @@ class Shards:
         if self.rank:
             start = self.control.next_order()
             target = ShardedTarget(model, start["layer_ids"], self.rank)
-            target.join(self.group, start["remote"])
+            target.connect(self.group, start["remote"])
             follow(target, self.control, self.tokenizer)
         if not self.pipeline:
             self.full_head = _full_head(model, path_or_repo)
@@ -308,7 +335,7 @@ class Shards:
         target = ShardedTarget(model, layer_ids, 0, self.full_head)
         remote = [i for i in layer_ids if not target.holds(i)]
         self.control.send({"op": "start", "layer_ids": list(layer_ids), "remote": remote})
-        target.join(self.group, remote)
+        target.connect(self.group, remote)
         return Driver(target, self)
 
 

@@ -19,9 +19,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
-from ..cache.window import ContextWindowCache, SlidingWindowCache
+from ..cache.context import ContextCache
 from ..errors import DFlashError
-from ..cache.ragged import RaggedKVCache
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Sizes that must be positive integers; the rest of the fields are checked by type only.
@@ -196,30 +195,32 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.rope = make_rope(args)
 
-    def __call__(self, x: mx.array, context: mx.array, cache: Any, ops: kernels.KernelOps) -> mx.array:
+    def _context_kv(self, rows: mx.array, cache: ContextCache) -> tuple[mx.array, mx.array]:
+        """K/V of ``rows`` (context, then block) at positions from the cache's offset on, stored."""
+        B, S, _ = rows.shape
+        k = self.k_norm(self.k_proj(rows).reshape(B, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(rows).reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return cache.update_and_fetch(self.rope(k, offset=cache.offset), v)
+
+    def absorb(self, context: mx.array, cache: ContextCache) -> None:
+        """Take in context rows without a block (a prompt's rows, chunk by chunk)."""
+        self._context_kv(context, cache)
+        cache.trim(0)
+
+    def __call__(self, x: mx.array, context: mx.array, cache: ContextCache, ops: kernels.KernelOps) -> mx.array:
         # The cache holds context K/V only; the block's K/V go in for this forward
         # and are trimmed off by the caller, so positions stay absolute.
         B, L, _ = x.shape
-        window = self.sliding_window
-        ragged = isinstance(cache, RaggedKVCache)
-        if window is not None and context.shape[1] > window - 1 and not ragged:
-            # No block row sees context further back than window - 1 rows.
-            cache.skip(context.shape[1] - (window - 1))
-            context = context[:, -(window - 1) :] if window > 1 else context[:, :0]
-        start = cache.offset + context.shape[1]
+        start = cache.offset + context.shape[1]  # each row's block follows its own (left-padded) context
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        kv_in = mx.concatenate([context, x], axis=1)
-        S = kv_in.shape[1]
-        k = self.k_norm(self.k_proj(kv_in).reshape(B, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(kv_in).reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
-        k = self.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        if ragged:  # the batch engine: each row's context has its own length, so the mask is per row
+        k, v = self._context_kv(mx.concatenate([context, x], axis=1), cache)
+        window = self.sliding_window
+        if cache.filled():  # every row's keys fill the arrays: the op's own layout
+            out = ops.block_attention(q, k, v, scale=self.scale, sliding_window=window, causal=self.causal)
+        else:  # ragged rows: each row's block sits at its own end
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
                                                        mask=cache.block_mask(L, window, self.causal))
-        else:
-            out = ops.block_attention(q, k, v, scale=self.scale, sliding_window=window, causal=self.causal)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -274,15 +275,17 @@ class Drafter(nn.Module):
         """Token ids the drafter scores (None: all of them); ``Target.head`` takes it."""
         return self.get("draft_vocab")
 
-    @property
-    def context_rows(self) -> int | None:
-        """Target hidden rows the drafter can ever attend to (None: all of them).
+    def reach(self, window: tuple[int, int] | None = None) -> tuple[int, int] | None:
+        """(sink, recent): the context rows any layer can ever see with ``window`` (None: all of them).
 
-        Only when every layer has a sliding window is the context bounded: no
-        block row sees further back than the widest window minus one.
-        """
+        A sliding-window layer sees at most its last ``sliding_window - 1`` rows; a full-attention
+        layer everything, or its ``window`` (first ``keep``, last ``recent`` rows)."""
         windows = [layer.self_attn.sliding_window for layer in self.layers]
-        return None if None in windows else max(windows) - 1
+        if window is None and None in windows:
+            return None
+        sliding = max((w - 1 for w in windows if w is not None), default=0)
+        keep, recent = window if None in windows else (0, 0)
+        return keep, max(recent, sliding)
 
     def full_vocab(self, values: mx.array, fill: float = -mx.inf) -> mx.array:
         """Values over the draft vocabulary -> (..., V), ``fill`` for ids it never proposes
@@ -293,14 +296,13 @@ class Drafter(nn.Module):
         full = mx.full((*values.shape[:-1], self.args.vocab_size), fill, values.dtype)
         return mx.put_along_axis(full, mx.broadcast_to(rows, values.shape), values, axis=-1)
 
-    def make_cache(self, window: tuple[int, int] | None = None) -> list:
-        """Context caches, one per layer; ``window=(keep, recent)`` bounds the full-attention ones.
+    def make_cache(self, window: tuple[int, int] | None = None, rows: int = 1) -> list[ContextCache]:
+        """Context caches of ``rows`` rows, one per layer; ``window=(keep, recent)`` bounds the
+        full-attention ones to the first ``keep`` and the last ``recent`` context rows.
 
-        Unbounded, every drafter forward attends over the whole prompt, so its
-        cost grows with context while acceptance does not improve. A windowed
-        cache keeps the first ``keep`` rows and the last ``recent`` ones.
-        Sliding-window layers always keep just the last ``sliding_window - 1``
-        rows: the most any block row can see.
+        Unbounded, every drafter forward attends over the whole prompt, so its cost grows with
+        context while acceptance does not improve. Sliding-window layers always keep just the last
+        ``sliding_window - 1`` rows: the most any block row can see.
         """
         if window is not None and (window[0] < 0 or window[1] < 1):
             raise DFlashError(f"drafter window keep={window[0]} recent={window[1]} is invalid: "
@@ -308,11 +310,18 @@ class Drafter(nn.Module):
         caches = []
         for layer in self.layers:
             sliding = layer.self_attn.sliding_window
-            if sliding is not None:
-                caches.append(SlidingWindowCache(sliding))
-            else:
-                caches.append(KVCache() if window is None else ContextWindowCache(*window))
+            keep, recent = (0, sliding - 1) if sliding is not None else window or (0, None)
+            caches.append(ContextCache(rows, keep, recent))
         return caches
+
+    def _context(self, context_hidden: mx.array) -> mx.array:
+        return self.hidden_norm(self.fc(context_hidden))
+
+    def absorb(self, context_hidden: mx.array, cache: list[ContextCache]) -> None:
+        """Take in context rows (B, n, k*H) without drafting: each layer stores their K/V."""
+        context = self._context(context_hidden)
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.absorb(context, c)
 
     def hidden(
         self, block_embeddings: mx.array, context_hidden: mx.array, cache: list, ops: kernels.KernelOps
@@ -321,16 +330,11 @@ class Drafter(nn.Module):
 
         block_embeddings: (B, L, H) target embeddings of ``[anchor, MASK...]``.
         context_hidden: (B, n, k*H) target hidden states of the context rows not
-        yet in ``cache`` (the concatenated outputs of ``target_layer_ids``). The
-        new context K/V stay in ``cache``; the block's do not.
+        yet in ``cache`` (the concatenated outputs of ``target_layer_ids``), left-padded
+        when rows have different counts (``ContextCache.prepare``). The new context K/V
+        stay in ``cache``; the block's do not.
         """
-        limit = self.context_rows
-        # The batch engine's ragged caches keep every row; their masks apply the windows.
-        if limit is not None and context_hidden.shape[1] > limit and not isinstance(cache[0], RaggedKVCache):
-            for c in cache:
-                c.skip(context_hidden.shape[1] - limit)
-            context_hidden = context_hidden[:, context_hidden.shape[1] - limit :]
-        context = self.hidden_norm(self.fc(context_hidden))
+        context = self._context(context_hidden)
         scale = self.args.input_embedding_scale
         h = block_embeddings if scale == 1 else block_embeddings * scale
         for layer, c in zip(self.layers, cache):

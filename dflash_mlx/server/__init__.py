@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DFlashError, one_line
-from ..flags import add_block_arguments, add_sampling_arguments, add_sharding_arguments, port_arg, positive_int
+from ..flags import (add_block_arguments, add_sampling_arguments, add_sharding_arguments, non_negative_int, port_arg,
+                     positive_int)
 from .protocol import ServerInfo, check_flags
 from .http import App, Server
 from .worker import Metrics, Worker
@@ -71,12 +72,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="Refuse longer prompts (default: the target's max_position_embeddings)")
     p.add_argument("--decode-concurrency", type=positive_int, default=8,
-                   help="Decode up to this many requests together (the batch engine); 1 serves one at a "
-                        "time, with the conversation cache and copy proposals")
+                   help="Decode up to this many requests together; 1 serves one at a time")
     p.add_argument("--prefill-step-size", type=positive_int, default=None,
                    help="Most prompt tokens per prefill forward (default: 2048 one at a time, as mlx_lm; "
                         "512 batched, where a joining prompt holds the running requests up for one such "
                         "forward per step)")
+    p.add_argument("--prompt-cache-size", type=non_negative_int, default=10,
+                   help="Most finished requests whose caches later requests may start from (0: none)")
+    p.add_argument("--prompt-cache-bytes", type=positive_int, default=None,
+                   help="Most bytes those caches may hold (default: no bound besides the count)")
     add_block_arguments(p)
     add_sharding_arguments(p)
 
@@ -128,7 +132,7 @@ def stop_worker(worker: Worker) -> None:
     """
     worker.close()  # queued and running jobs end; their clients get a 503 or an error event
     worker.join()
-    worker.model = worker.prompt_cache = None
+    worker.model = worker.engine = worker.prompt_cache = None
     gc.collect()
 
 

@@ -3,12 +3,15 @@
 MLX streams are per thread, so all MLX work happens here. The interface is
 small on purpose, so that the protocol and the HTTP code do not care how jobs
 are run: ``submit`` a ``Job``, read its ``events`` queue (responses, then
-exactly one ``End``), ``cancel`` it. With ``--decode-concurrency`` above 1 and
-a pair the batch engine can batch, jobs run together (``scheduler.py``);
-otherwise one at a time, with the conversation cache and copy proposals
-(/metrics says which, and why). An exception in one job ends that job (``End``
-carries the message and an HTTP status) and the worker takes the next;
-``state`` says whether it can serve.
+exactly one ``End``), ``cancel`` it. Jobs are rows of one ``Engine``: between
+steps new jobs join (their prompts prefilled after what the prompt cache holds)
+and jobs whose client went away, or whose reply a stop string ended, leave at
+once; up to ``--decode-concurrency`` decode together (/metrics says whether
+they are batched, and why not). Each committed token becomes the job's next
+``GenerationResponse``, the one ``stream_generate`` would have produced for
+that request alone. An exception in a step ends the jobs of that step (``End``
+carries the message and an HTTP status) and the worker goes on with a fresh
+engine; ``state`` says whether it can serve.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from ..errors import DFlashError, one_line
 from .jobs import End, Job
@@ -91,18 +96,16 @@ def _label(value: str) -> str:
 
 
 class Worker(threading.Thread):
-    """Owns the model: loads it, calibrates it, and runs every job, one at a time."""
+    """Owns the model: loads it, calibrates it, and runs every job through one engine."""
 
     def __init__(self, args: argparse.Namespace, metrics: Metrics):
         super().__init__(name="dflash-worker", daemon=True)
         self.args, self.metrics = args, metrics
-        self.prefill_step_size = getattr(args, "prefill_step_size", None)  # None: each path's default
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.ready = threading.Event()  # set once loading ended, well or not
         self.state, self.error = "loading", None  # loading, ready, failed, stopping, stopped
-        self.current: Job | None = None
-        self.batch = None  # a scheduler.BatchScheduler when jobs are batched
-        self.model = self.tokenizer = self.prompt_cache = None
+        self.running: dict[int, _Running] = {}  # engine uid -> its job
+        self.model = self.tokenizer = self.engine = self.prompt_cache = None
         self._lock = threading.Lock()  # orders submit() against close() and failure
 
     def submit(self, job: Job) -> None:
@@ -117,13 +120,13 @@ class Worker(threading.Thread):
         with self._lock:
             if self.state in ("loading", "ready"):
                 self.state, self.error = "stopping", SHUTTING_DOWN
-            for job in self.batch.jobs() if self.batch else [self.current] if self.current else []:
-                job.cancel(SHUTTING_DOWN)
+            for running in list(self.running.values()):
+                running.job.cancel(SHUTTING_DOWN)
             self.jobs.put(None)
 
     @property
     def active(self) -> int:
-        return len(self.batch.rows) if self.batch else int(self.current is not None)
+        return len(self.running)
 
     def run(self) -> None:
         try:
@@ -138,11 +141,7 @@ class Worker(threading.Thread):
                 self.state = "ready"
         self.ready.set()
         try:
-            if self.batch:
-                self._serve_batched()
-            else:
-                while (job := self.jobs.get()) is not None:
-                    self._run(job)
+            self._serve()
         except BaseException as e:  # a bug in the loop itself: say so on /health instead of hanging
             logging.exception("the generation worker stopped")
             with self._lock:
@@ -154,152 +153,145 @@ class Worker(threading.Thread):
                 job.events.put(End(self.error or SHUTTING_DOWN, 503))
 
     def _load(self) -> None:
-        from ..step_costs import cost_curve
+        from ..cache.prompt import PromptCache
+        from ..costs import costs
         from ..model import load
 
         # Under mlx.launch only rank 0 returns (and serves); the other ranks follow it inside load.
         self.model, self.tokenizer = load(self.args.model, self.args.draft, getattr(self.args, "chat_template", None),
                                           pipeline=getattr(self.args, "pipeline", False))
+        self.prompt_cache = PromptCache(getattr(self.args, "prompt_cache_size", 10),
+                                        getattr(self.args, "prompt_cache_bytes", None))
+        self.engine = self._engine()
+        if self.args.block_size == "auto":  # calibrate now, not during the first requests
+            costs(self.model).ready(self.engine.max_rows)
+
+    def _engine(self):
+        from ..engine import Engine
+
         concurrency = getattr(self.args, "decode_concurrency", 1)
-        if concurrency > 1 and getattr(self.model.target, "start_record", None):
-            self.metrics.batching = "a sharded target serves one request at a time"
-        elif concurrency > 1 and self.args.draft_window:
-            self.metrics.batching = "--draft-window bounds the drafter of one-at-a-time decoding only"
-        elif concurrency > 1:
-            from ..batch import BatchEngine, batch_refusal
-            from ..batch_prefill import PREFILL_STEP_SIZE
+        prefill = getattr(self.args, "prefill_step_size", None) or (2048 if concurrency == 1 else 512)
+        engine = Engine(self.model, block_size=self.args.block_size, max_rows=concurrency, prefill_step_size=prefill,
+                        prompt_cache=self.prompt_cache, copy_proposals=getattr(self.args, "copy_proposals", True),
+                        draft_window=getattr(self.args, "draft_window", None))
+        self.metrics.engine = engine.stats
+        self.metrics.batching = None if engine.stats.batched else engine.stats.reason
+        return engine
 
-            self.metrics.batching = batch_refusal(self.model, concurrency)
-            if self.metrics.batching is None:
-                from .scheduler import BatchScheduler
-
-                def engine() -> BatchEngine:
-                    made = BatchEngine(self.model, block_size=self.args.block_size, completion_batch_size=concurrency,
-                                       prefill_step_size=self.prefill_step_size or PREFILL_STEP_SIZE,
-                                       copy_proposals=getattr(self.args, "copy_proposals", True))
-                    self.metrics.engine = made.stats
-                    return made
-
-                self.batch = BatchScheduler(engine, self.tokenizer, self._record)
-        else:
-            self.metrics.batching = "--decode-concurrency is 1"
-        if self.args.block_size == "auto" and not self.batch:
-            cost_curve(self.model)  # calibrate now, not during the first request
-
-    def _run(self, job: Job) -> None:
-        with self._lock:  # so that close() either sees this job running or finds the state changed
-            if self.state != "ready":
-                job.cancel(self.error or SHUTTING_DOWN)
-            elif not job.cancelled:
-                self.current = job
-        end = End(job.reason, 503) if job.cancelled else None
-        if end is None:
-            try:
-                self._generate(job)
-                end = End(job.reason, 503) if job.reason else End()
-            except DFlashError as e:  # a setting the request checks did not catch
-                end = End(str(e), 400)
-            except Exception as e:
-                logging.exception("generation failed")
-                self.prompt_cache = None  # its contents are unknown after a failure
-                with self.metrics.lock:
-                    self.metrics.failed += 1
-                end = End(f"generation failed: {one_line(e)}", 500)
-            finally:
-                self.current = None
-        job.events.put(end)
-
-    def _serve_batched(self) -> None:
+    def _serve(self) -> None:
         """Admit every queued job between engine steps; wait only while nothing runs."""
         while True:
-            wait = self.batch.idle
+            wait = self.engine.idle
             while True:
                 try:
                     job = self.jobs.get(block=wait)
                 except queue.Empty:
                     break
                 if job is None:
-                    self.batch.fail_all(self.error or SHUTTING_DOWN, 503)
+                    self._fail_all(self.error or SHUTTING_DOWN, 503)
                     return
                 self._admit(job)
                 wait = False
             try:
-                self.batch.step()
+                self._step()
             except Exception as e:
                 logging.exception("generation failed")
-                failed = self.batch.fail_all(f"generation failed: {one_line(e)}")
+                failed = self._fail_all(f"generation failed: {one_line(e)}")
                 with self.metrics.lock:
                     self.metrics.failed += failed
 
     def _admit(self, job: Job) -> None:
-        with self._lock:  # as in _run: close() either cancels this job or finds the state changed
+        with self._lock:  # close() either cancels this job or finds the state changed
             if self.state != "ready":
                 job.cancel(self.error or SHUTTING_DOWN)
             elif not job.cancelled:
                 try:
-                    self.batch.admit(job, self._arguments(job.params))
-                    return
-                except DFlashError as e:
+                    uid = self.engine.add(job.params.prompt, **self._arguments(job.params))
+                except DFlashError as e:  # a setting the request checks did not catch
                     job.events.put(End(str(e), 400))
                     return
+                from ..generation import Responses
+
+                job.cached_tokens = self.engine.cached_tokens(uid)
+                stats = self.engine.pending[-1].stats
+                self.running[uid] = _Running(job, Responses(self.tokenizer, len(job.params.prompt)), stats)
+                return
         job.events.put(End(job.reason, 503) if job.reason else End())
 
-    def _cache(self):
-        from ..decode import DecodeCache
-
-        if self.prompt_cache is None:
-            self.prompt_cache = DecodeCache.new(self.model.target, self.model.drafter, self.args.draft_window)
-        return self.prompt_cache
-
     def _arguments(self, p: GenerationParams) -> dict:
-        """``stream_generate`` keyword arguments for a job's parameters."""
+        """``Engine.add`` keyword arguments for a job's parameters."""
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-        kwargs = dict(temp=p.temp, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, block_size=p.block_size or self.args.block_size,
-                      copy_proposals=getattr(self.args, "copy_proposals", True))
+        kwargs = dict(max_tokens=p.max_tokens, temp=p.temp, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
+                      stop_tokens=self.tokenizer.eos_token_ids, block_size=p.block_size)
         if p.xtc_probability > 0 and p.temp > 0:
             # XTC is an opaque sampler: still exact (the match strategy), but it accepts fewer drafts.
             specials = self.tokenizer.encode("\n", add_special_tokens=False) + list(self.tokenizer.eos_token_ids)
-            kwargs["sampler"] = make_sampler(p.temp, p.top_p, p.min_p, 1, p.top_k, p.xtc_probability, p.xtc_threshold, specials)
+            kwargs["sampler"] = make_sampler(p.temp, p.top_p, p.min_p, 1, p.top_k, p.xtc_probability, p.xtc_threshold,
+                                             specials)
+            kwargs["seed"] = None  # an opaque sampler draws from MLX's global state
+            if p.seed is not None:
+                import mlx.core as mx
+
+                mx.random.seed(p.seed)
         if p.logits:
             kwargs["logits_processors"] = make_logits_processors(**p.logits)
-        if self.prefill_step_size:
-            kwargs["prefill_step_size"] = self.prefill_step_size
         return kwargs
 
-    def _generate(self, job: Job) -> None:
-        import mlx.core as mx
+    def _step(self) -> None:
+        """Drop the rows of cancelled jobs, then one engine step; its tokens go to their jobs."""
+        for uid, running in list(self.running.items()):
+            if running.job.cancelled:
+                stats = next((r.stats for r in self.engine.rows if r.uid == uid), None)
+                self.engine.cancel(uid)
+                if stats is not None and running.responses.tokens:
+                    self._record(running, stats)
+                self._end(uid, End(running.job.reason, 503) if running.job.reason else End())
+        if self.engine.idle:
+            return
+        for event in self.engine.step():
+            running = self.running[event.uid]
+            if running.job.cancelled:  # cancelled during the step: its row leaves before the next
+                continue
+            response = running.responses(event, running.stats)
+            running.job.events.put(response)
+            if event.finish_reason:
+                self._record(running, event.stats)
+                self._end(event.uid, End())
 
-        from ..generation import stream_generate
+    def _fail_all(self, message: str, status: int = 500) -> int:
+        """End every job with an error and start over with a fresh engine (after a failed step its
+        caches are in an unknown state; the prompt cache holds copies taken before). Returns how
+        many jobs were ended."""
+        ended = len(self.running)
+        for uid in list(self.running):
+            self._end(uid, End(message, status))
+        self.engine = self._engine()
+        return ended
 
-        p = job.params
-        kwargs = self._arguments(p)
-        cache = self._cache()
-        job.cached_tokens = cache.reuse(p.prompt, self.model.target)
-        if p.seed is not None:
-            mx.random.seed(p.seed)
-        tic, response = time.perf_counter(), None
-        for response in stream_generate(self.model, self.tokenizer, p.prompt, p.max_tokens, prompt_cache=cache, **kwargs):
-            job.events.put(response)
-            if job.cancelled:
-                break
-        if response is not None:
-            self._record(job, response.stats, response.generation_tokens, time.perf_counter() - tic,
-                         response.generation_tps)
+    def _end(self, uid: int, end: End) -> None:
+        self.running.pop(uid).job.events.put(end)
 
-    def _record(self, job: Job, s, tokens: int, seconds: float, tps: float) -> None:
+    def _record(self, running: "_Running", s) -> None:
         """A job's counts into the metrics (``s``: its ``SpeculativeStats``)."""
-        m = self.metrics
+        m, job, r = self.metrics, running.job, running.responses
         with m.lock:
             m.prompt_tokens += len(job.params.prompt)
             m.cached_tokens += job.cached_tokens
-            m.completion_tokens += tokens
-            m.generation_seconds += seconds
+            m.completion_tokens += r.tokens
+            m.generation_seconds += time.perf_counter() - r.started
             m.steps += len(s.acceptance_lengths)
             m.step_tokens += sum(s.acceptance_lengths)
             m.plain_steps += sum(1 for b in s.block_sizes if b == 1)
             m.drafted_tokens += s.drafted
             m.copied_tokens += s.copied
             m.corpus_copied_tokens += s.corpus_copied
-            m.last_tps = tps
+            m.last_tps = r.generation_tps
             m.last_speculative = int(s.speculative)
+
+
+@dataclass
+class _Running:
+    job: Job
+    responses: Any  # generation.Responses
+    stats: Any  # stats.SpeculativeStats

@@ -1,6 +1,6 @@
 """`dflash-mlx train`: train a DFlash drafter for an mlx_lm target.
 
-The recipe follows SpecForge's public one (see REFERENCE.md):
+The recipe follows SpecForge's public one, which the DFlash paper's drafters were trained with:
 
 1. Data: the target answers the training prompts itself (greedy), so the drafter
    learns the target's distribution; the target's hidden states at

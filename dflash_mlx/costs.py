@@ -1,0 +1,224 @@
+"""What a decode step costs on this machine: timed once per pair, rescaled by what is seen.
+
+A step of R rows verifies B tokens per row in one target forward, after one drafter forward that
+drafted them (none for a plain step, B = 1, or a copy-only one). ``calibrate`` times both for a few
+block sizes after a short context, and the target forward again after a long one: a verify row's
+cost grows with the keys it attends to, so a step is priced at the context in use (``StepCosts``,
+linear in between and beyond). Row counts are timed as the engine first runs them (``Costs``).
+``Drift`` keeps the ratio of observed to calibrated step times, for multi-row steps, whose few
+calibration rounds are the noisiest and miss each row's own per-step work.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from . import kernels
+from .model import DFlashModel
+from .sampling import Greedy
+
+# 12 as well as the powers of two: with OpenBLAS on a 2-core x86 CPU a 16-row forward cost what
+# 8 rows do and less than 12 (its kernels seem to take rows 16 at a time): 9..15 do not lie
+# between 8 and 16 there.
+CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
+# Largest block of a copy-only step: no drafter bounds it, and long copies are the ones that pay.
+COPY_BLOCK_SIZE = 16
+SHORT_CONTEXT, LONG_CONTEXT = 128, 1024  # the two contexts a verify is timed at
+ROW_COUNTS = (1, 2, 4, 8, 16, 32)  # batch sizes timed (others interpolated)
+
+
+def interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear through ``points``, extended linearly past both ends."""
+    xs = sorted(points)
+    i = min(max(bisect_left(xs, x), 1), len(xs) - 1) if len(xs) > 1 else 0
+    if len(xs) == 1 or x == xs[i]:
+        return points[xs[i]]
+    x0, x1 = xs[i - 1], xs[i]
+    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """Seconds per step of one row count: target verify and drafter forward of B tokens per row,
+    after ``SHORT_CONTEXT`` tokens."""
+
+    verify: dict[int, float]
+    draft: dict[int, float]
+
+
+@dataclass
+class StepCosts:
+    """Seconds per decode step by rows, block size and context."""
+
+    rows: dict[int, RowCosts]
+    per_key: dict[int, float]  # block size -> seconds per row per context token beyond SHORT_CONTEXT
+
+    def step_seconds(self, rows: int, block_size: int, draft: bool = True, context: float = SHORT_CONTEXT) -> float:
+        """A step of ``rows`` rows verifying ``block_size`` tokens each, ``draft``: after a drafter
+        forward; ``context``: the rows' mean context length."""
+        def at(table: str) -> float:
+            return interpolate({r: interpolate(getattr(c, table), block_size) for r, c in self.rows.items()}, rows)
+
+        seconds = at("verify") + rows * max(context - SHORT_CONTEXT, 0) * interpolate(self.per_key, block_size)
+        return seconds + at("draft") if draft and block_size > 1 else seconds
+
+    def ready(self, rows: int) -> "StepCosts":
+        """These costs as ``Costs.ready`` gives them (every row count they have is all there is)."""
+        return self
+
+    def relative(self) -> dict[int, float]:
+        """Cost of each timed block size relative to plain decoding, one row."""
+        base = self.step_seconds(1, 1)
+        return {b: self.step_seconds(1, b) / base for b in sorted(self.rows[1].verify)}
+
+
+def _seconds(fn) -> float:
+    tic = time.perf_counter()
+    fn()
+    return time.perf_counter() - tic
+
+
+def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = None, repeats: int | None = None,
+              use_metal: bool | None = None, contexts: tuple[int, ...] = (SHORT_CONTEXT,)) -> list[RowCosts]:
+    """Time target verify of ``rows`` rows for a few block sizes after each of ``contexts`` tokens,
+    and the drafter forward after the first; one ``RowCosts`` per context.
+
+    Uses throw-away caches; the model is left as it was. Sizes and contexts are timed in interleaved
+    rounds and the fastest round kept: on a shared machine noise only ever adds time, and
+    interleaving spreads a busy spell over all of them (a context's slope is a difference of two
+    timings). One row times sizes up to ``COPY_BLOCK_SIZE`` (copy-only steps may verify more rows
+    than the drafter drafts); more rows time the drafter's block sizes.
+    """
+    target, drafter = model.target, model.drafter
+    ops = kernels.get_ops(use_metal)
+    max_block_size = max_block_size or model.block_size
+    repeats = repeats or (5 if rows == 1 else 2)
+    largest = max(max_block_size, COPY_BLOCK_SIZE) if rows == 1 else max_block_size
+    sizes = sorted({b for b in CALIBRATION_SIZES if b < largest} | {1, max_block_size, largest})
+    head, greedy = target.head(drafter.vocab_rows), Greedy(ops)
+    # Deterministic tokens: calibration must not consume the caller's random stream.
+    longest = max(contexts) + max(sizes)
+    tokens = mx.broadcast_to(mx.arange(longest, dtype=mx.int32) % target.vocab_size, (rows, longest))
+    caches = []
+    for context in contexts:
+        cache = target.make_cache(rows)
+        _, hidden = target(tokens[:, :context], cache)
+        target.cache_policy.forget()
+        mx.eval(hidden, [c.state for c in cache])
+        caches.append(cache)
+        if context == contexts[0]:
+            draft_cache, draft_hidden = drafter.make_cache(rows=rows), hidden
+            # The drafter's context as in steady state: the prompt absorbed, a few new rows per step.
+            drafter.absorb(hidden[:, :-2], draft_cache)
+
+    def run_verify(B: int, k: int) -> None:
+        logits, h = target(tokens[:, contexts[k] : contexts[k] + B], caches[k])
+        mx.eval(logits, h)
+        target.rollback(caches[k], B)
+
+    def run_draft(B: int) -> None:
+        start = contexts[0]
+        block = target.embed(tokens[:, start : start + B])
+        proposals, _, _ = drafter.propose(block, tokens[:, start], draft_hidden[:, -2:], draft_cache, head, greedy)
+        mx.eval(proposals)
+        for c in draft_cache:
+            c.trim(2)
+
+    verify = [{B: float("inf") for B in sizes} for _ in contexts]
+    drafts = {B: float("inf") for B in sizes if 1 < B <= max_block_size}
+    for i in range(repeats + 1):
+        warm_up = i == 0  # first calls pay for allocation and graph setup
+        for B in sizes:
+            for k in range(len(contexts)):
+                t = _seconds(lambda: run_verify(B, k))
+                verify[k][B] = verify[k][B] if warm_up else min(verify[k][B], t)
+            if B in drafts:
+                t = _seconds(lambda: run_draft(B))
+                drafts[B] = drafts[B] if warm_up else min(drafts[B], t)
+    drafts[1] = 0.0
+    # Not forced to grow with B: more rows can cost less (see CALIBRATION_SIZES), and then the
+    # policy should take the larger block, which also holds more proposals.
+    return [RowCosts(v, drafts) for v in verify]
+
+
+class Costs:
+    """A pair's step costs, calibrated as the engine first needs them and kept for as long as the
+    pair lives: one row with its context slope first, then each count in ``ROW_COUNTS`` up to the
+    rows a step runs (more rows never cost less: a count timed faster than a smaller one was noise)."""
+
+    def __init__(self, model: DFlashModel, use_metal: bool | None = None):
+        self.model, self.use_metal = model, use_metal
+        short, long = calibrate(model, 1, use_metal=use_metal, contexts=(SHORT_CONTEXT, LONG_CONTEXT))
+        per_key = {b: max(long.verify[b] - short.verify[b], 0.0) / (LONG_CONTEXT - SHORT_CONTEXT) for b in short.verify}
+        self.table = StepCosts({1: short}, per_key)
+
+    def ready(self, rows: int) -> StepCosts:
+        """The costs, with row counts timed up to the first count in ``ROW_COUNTS`` >= ``rows``."""
+        needed = next((r for r in ROW_COUNTS if r >= rows), ROW_COUNTS[-1])
+        for r in ROW_COUNTS:
+            if r > needed or r in self.table.rows:
+                continue
+            (timed,) = calibrate(self.model, r, use_metal=self.use_metal)
+            smaller = self.table.rows[max(k for k in self.table.rows if k < r)]
+            self.table.rows[r] = RowCosts({k: max(v, smaller.verify.get(k, 0.0)) for k, v in timed.verify.items()},
+                                          {k: max(v, smaller.draft.get(k, 0.0)) for k, v in timed.draft.items()})
+        return self.table
+
+
+_costs: "weakref.WeakKeyDictionary[DFlashModel, Costs]" = weakref.WeakKeyDictionary()
+
+
+def costs(model: DFlashModel, use_metal: bool | None = None) -> Costs:
+    """The pair's ``Costs``, calibrated on its first adaptive use and remembered after."""
+    if model not in _costs:
+        _costs[model] = Costs(model, use_metal)
+    return _costs[model]
+
+
+class Drift:
+    """Observed over calibrated step seconds per block size: an EMA (``decay``) of each
+    size's ratio. A size never used borrows the ratio of the nearest size used where that
+    is below 1 (the whole curve runs faster than calibrated) and counts as calibrated
+    otherwise: a size that looks cheaper than it is gets tried and corrected, while one
+    that looked dearer would never be tried (8 rows whose blocks of 2 cost 1.35x the
+    calibration lent that to plain steps and kept drafting where plain steps were faster)."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.ratios: dict[int, float] = {}
+        self._run: tuple[int, float, float, bool] | None = None  # steps timed together so far
+
+    def scale(self, block_size: int) -> float:
+        if not self.ratios:
+            return 1.0
+        if block_size in self.ratios:
+            return self.ratios[block_size]
+        return min(1.0, self.ratios[min(self.ratios, key=lambda b: (abs(b - block_size), b))])
+
+    def observe(self, block_size: int, seconds: float, calibrated: float, ahead: bool = False,
+                steady: bool = True) -> None:
+        """A step of ``block_size`` took ``seconds`` where the calibration says ``calibrated``.
+
+        ``ahead``: the step started the next one's forward early. It then waits for that forward
+        too (one MLX evaluation holds both) and the step after it waits for almost nothing, so
+        such a run of steps is timed as a whole, under its first step's block size. ``steady``:
+        False when the step also did work not its own (rows joined or left, their caches
+        concatenated or filtered); its run is not timed.
+        """
+        size, spent, expected, ok = self._run or (block_size, 0.0, 0.0, True)
+        spent, expected, ok = spent + seconds, expected + calibrated, ok and steady
+        self._run = (size, spent, expected, ok) if ahead else None
+        if ahead or not ok:
+            return
+        ratio = spent / expected
+        if size not in self.ratios:
+            self.ratios[size] = ratio
+        else:
+            # Clipped: one slow step (a busy spell) must not rule a block size out for long.
+            d = self.ratios[size]
+            self.ratios[size] = self.decay * d + (1 - self.decay) * min(ratio, 2 * d)

@@ -1,0 +1,587 @@
+"""The decode engine: every request is a row, and every step drafts and verifies all rows together.
+
+One step (``Engine.step``):
+
+1. **join**: queued prompts are prefilled in chunks (``Target.prefill_rows``: several requests per
+   forward), the drafter taking in each chunk's hidden states as it goes (only the rows its window
+   will ever show); a request whose prompt is done gets its first token and joins the batch.
+2. **plan**: the block policy (``policy.py``) picks the block size B for the rows running now, and
+   whether the drafter runs, from each row's measured acceptance and what R rows x B tokens cost.
+3. **propose**: one drafter forward drafts every row's B - 1 proposals (``Drafter``), and/or each row
+   copies them from where its text last read as it ends now (``copying.py``).
+4. **verify**: one target forward over every row's ``[anchor, proposals]``; each row's own rule
+   (``sampling.py``) accepts its longest matching prefix and adds the target's own next token.
+5. **commit**: each row keeps what it accepted, no more and no less than its neighbours; the caches
+   drop each row's rejected tail (``Target.rollback``), the drafter gets the committed rows' hidden
+   states as new context, finished rows leave (their caches go to the prompt cache).
+
+A single request is a batch of one and runs the same step; at one row nothing is padded. One host
+sync per step reads what every row committed (top-p sampling adds one, ``sampling.nucleus``). When plain steps are expected and nobody waits to
+join, a plain step starts the next one's forward before the host reads its tokens, as mlx_lm does.
+Requests join and leave between steps; a request whose prompt extends an earlier one starts from the
+prompt cache (``cache/prompt.py``). The engine is not thread-safe: one thread calls ``add``,
+``cancel`` and ``step``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Iterable, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import StopSequences
+
+from . import kernels
+from .cache.prompt import PromptCache
+from .copying import Copy, CopyIndex, merge
+from .costs import costs
+from .errors import DFlashError
+from .model import MAX_BLOCK_SIZE, DFlashModel
+from .models import Drafter
+from .policy import Acceptance, BlockPolicy, Plan
+from .sampling import Sampler, SamplingParams, Strategy, make_strategy, random_seed
+from .stats import EngineStats, SpeculativeStats, Step
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+# Prompt tokens per prefill forward, as mlx_lm prefills.
+PREFILL_STEP_SIZE = 2048
+
+
+@dataclass
+class TokenEvent:
+    """One committed token of one request, in order.
+
+    The request's last event has a ``finish_reason``: "stop" (``token`` is the stop token, not part
+    of the answer, as in mlx_lm) or "length"; it also carries the request's acceptance record.
+    ``logprobs``: with ``add(logprobs=True)``, the log-probabilities (V,) of the distribution the
+    token was committed from (after logits processors, before sampling filters), as mlx_lm gives.
+    """
+
+    uid: int
+    token: int
+    from_draft: bool  # a proposal (drafted or copied) the target accepted
+    finish_reason: str | None = None
+    logprobs: mx.array | None = None
+    stats: SpeculativeStats | None = None
+
+
+@dataclass(eq=False)
+class Row:
+    """A request in the engine: its settings, random stream, caches (until it joins the batch), copy
+    index, acceptance estimates and the tokens committed so far."""
+
+    uid: int
+    prompt: list[int]
+    max_tokens: int
+    strategy: Strategy
+    processors: list[LogitsProcessor]
+    matcher: StopSequences.Matcher
+    key: mx.array | None
+    logprobs: bool
+    stats: SpeculativeStats
+    acceptance: Acceptance
+    block_cap: int | None  # the request's own largest block
+    copies: CopyIndex | None
+    cache: list | None  # one-row caches until the request joins the batch
+    draft_cache: list | None
+    prefilled: int = 0  # prompt tokens in the caches (from the prompt cache, then prefilled)
+    cached: int = 0  # of those, the ones the prompt cache held
+    tokens: list[int] = field(default_factory=list)  # prompt, then every committed token
+    produced: int = 0
+    anchor: int = 0
+    history: mx.array | None = None  # prompt + committed tokens, for logits processors
+    pending: list[mx.array] = field(default_factory=list)  # hidden rows (n, k*H) the drafter has not taken in
+    copy: Copy | None = None  # this step's copy suggestion
+
+    def subkey(self) -> mx.array | None:
+        if self.key is None:
+            return None
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    @property
+    def room(self) -> int:
+        return self.max_tokens - self.produced
+
+    @property
+    def context(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def merges(self) -> bool:
+        return self.strategy.deterministic
+
+
+def apply_processors(processors: list[LogitsProcessor], history: mx.array, block: mx.array, logits: mx.array) -> mx.array:
+    """Apply mlx_lm logits processors to each verify row with that row's own history."""
+    rows = []
+    for j in range(logits.shape[0]):
+        row, seen = logits[j : j + 1], mx.concatenate([history, block[: j + 1]])
+        for processor in processors:
+            row = processor(seen, row)
+        rows.append(row)
+    return mx.concatenate(rows)
+
+
+def couples(model: DFlashModel) -> bool:
+    """Whether the pair samples with ``sampling.Coupled``: not with a DFlash2 drafter, whose selector
+    picks among candidates the noise does not index (it keeps rejection sampling)."""
+    return model.drafter.architecture == Drafter.architecture
+
+
+def batch_refusal(model: DFlashModel) -> str | None:
+    """Why the engine decodes ``model``'s requests one at a time, or None if it batches them."""
+    return model.target.cache_policy.batch_refusal
+
+
+class Engine:
+    """Speculative decoding of any number of requests over one model pair.
+
+    block_size: fixed, ``"auto"`` (per step, from the measured cost of R rows x B tokens at the
+    context in use and each row's acceptance, ``policy.py``) or a ``BlockPolicy``; default the
+    drafter's. max_rows: most rows decoded together; more requests wait. prefill_step_size: most
+    prompt tokens per prefill forward, and per step while rows decode (a joining prompt holds them
+    up for at most that). prompt_cache: a ``PromptCache`` whose entries requests start from and
+    leaving rows are saved to (None: no reuse). draft_window: ``(keep, recent)`` bounds the
+    drafter's context (``Drafter.make_cache``). profile: time each step's draft and verify apart
+    (one more host sync per step; ``stats.draft_seconds``/``verify_seconds``).
+    """
+
+    def __init__(
+        self,
+        model: DFlashModel,
+        *,
+        block_size: int | str | BlockPolicy | None = None,
+        max_rows: int = 8,
+        prefill_step_size: int = PREFILL_STEP_SIZE,
+        use_metal: bool | None = None,
+        prompt_cache: PromptCache | None = None,
+        copy_proposals: bool = True,
+        draft_window: tuple[int, int] | None = None,
+        profile: bool = False,
+    ):
+        if max_rows < 1 or prefill_step_size < 1:
+            raise DFlashError(f"max_rows {max_rows} and prefill_step_size {prefill_step_size} must be at least 1")
+        self.target, self.drafter, self.model = model.target, model.drafter, model
+        self.ops = kernels.get_ops(use_metal)
+        self.policy = block_size if isinstance(block_size, BlockPolicy) else make_policy(model, block_size, use_metal)
+        self.prefill_step_size, self.profile = prefill_step_size, profile
+        self.draft_window = draft_window
+        self.drafter.make_cache(draft_window)  # checks the window
+        self.reach = self.drafter.reach(draft_window)
+        # DFlash2 picks each proposal given the one before with the row's own sampler.
+        self.picks_in_order = not couples(model)
+        reason = batch_refusal(model) if max_rows > 1 else None
+        self.max_rows = 1 if reason else max_rows
+        start_record = getattr(self.target, "start_record", None)  # a sharded target (distributed.Driver)
+        self.stats = EngineStats(batched=self.max_rows > 1, reason=reason if reason else
+                                 None if max_rows > 1 else "max_rows is 1",
+                                 sharding=start_record() if start_record else None)
+        self.head, self.mask_id = self.target.head(self.drafter.vocab_rows), self.drafter.args.mask_token_id
+        self.copy_proposals, self.corpus = copy_proposals, self.drafter.corpus
+        self.prompt_cache = prompt_cache
+        self.rows: list[Row] = []  # in batch order
+        self.pending: deque[Row] = deque()
+        self.cache: list | None = None
+        self.draft_cache: list | None = None
+        self.ahead: tuple[mx.array, mx.array] | None = None  # logits and hidden of the anchors' forward
+        self._uids = itertools.count()
+
+    @property
+    def idle(self) -> bool:
+        return not self.rows and not self.pending
+
+    @property
+    def uids(self) -> list[int]:
+        """Request ids of the batch rows, in row order."""
+        return [r.uid for r in self.rows]
+
+    def add(
+        self,
+        prompt: Sequence[int] | mx.array,
+        *,
+        max_tokens: int = 256,
+        temp: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        sampler: Sampler | None = None,
+        seed: int | None = None,
+        stop_tokens: Iterable[int | Sequence[int]] = (),
+        logits_processors: list[LogitsProcessor] | None = None,
+        logprobs: bool = False,
+        block_size: int | None = None,
+    ) -> int:
+        """Queue a request; it joins the batch once its prompt is prefilled. Returns its uid.
+
+        Sampling settings are ``stream_generate``'s. ``seed``: the request's own random stream (its
+        text then does not depend on what else runs beside it; None draws one from MLX's global
+        random state, so ``mx.random.seed`` fixes it). ``stop_tokens`` holds token ids or token
+        sequences (no eos ids are added here). ``block_size`` caps the blocks of every step this
+        request is in (rows share one block per step).
+        """
+        prompt = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+        if not prompt:
+            raise DFlashError("the prompt is empty: give at least one token of prompt")
+        if max_tokens < 1:
+            raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
+        if block_size is not None and not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise DFlashError(f"block size {block_size!r} is out of range: use 1..{MAX_BLOCK_SIZE}")
+        if seed is not None and sampler is not None:
+            raise DFlashError("seed cannot reach a custom sampler (it draws from MLX's global state): "
+                              "pass temp/top_p/top_k/min_p instead, or call mx.random.seed")
+        params = SamplingParams(temp, top_p, top_k, min_p)
+        # Coupled sampling keyed by the request's seed: its text does not depend on its neighbours.
+        coupled = None if temp == 0 or sampler or self.picks_in_order else (
+            random_seed() if seed is None else seed, self.target.vocab_size)
+        strategy = make_strategy(params, sampler, self.ops, coupled)
+        row = Row(
+            uid=next(self._uids), prompt=prompt, max_tokens=max_tokens, strategy=strategy,
+            processors=list(logits_processors or []),
+            matcher=StopSequences([[t] if isinstance(t, int) else list(t) for t in stop_tokens]).matcher(),
+            key=None if seed is None or coupled else mx.random.key(seed),
+            logprobs=logprobs,
+            stats=SpeculativeStats(self.policy.max_block_size, self.ops.path, set(self.ops.fallbacks),
+                                   adaptive=self.policy.adaptive, copy_proposals=self.copy_proposals,
+                                   corpus_tokens=len(self.corpus.tokens) if self.corpus else 0,
+                                   sampling=strategy.name, sharding=self.stats.sharding),
+            acceptance=self.policy.acceptance(),
+            block_cap=block_size,
+            copies=CopyIndex(prompt, self.corpus) if self.copy_proposals else None,
+            cache=None, draft_cache=None,
+        )
+        row.tokens = list(prompt)
+        hit = self.prompt_cache.fetch(prompt, self.target) if self.prompt_cache is not None else None
+        if hit is not None:
+            row.prefilled, row.cache, row.draft_cache = hit
+            row.cached = row.prefilled
+        else:
+            row.cache, row.draft_cache = self.target.make_cache(), self.drafter.make_cache(self.draft_window)
+        self.pending.append(row)
+        return row.uid
+
+    def cached_tokens(self, uid: int) -> int:
+        """Prompt tokens a queued or running request took from the prompt cache."""
+        return next((r.cached for r in [*self.pending, *self.rows] if r.uid == uid), 0)
+
+    def cancel(self, uid: int) -> bool:
+        """Drop a request, queued or running; its row is freed at once. False if unknown."""
+        for row in self.pending:
+            if row.uid == uid:
+                self.pending.remove(row)
+                return True
+        if uid not in self.uids:
+            return False
+        i = self.uids.index(uid)
+        self._save(i)
+        self._keep([j for j in range(len(self.rows)) if j != i])
+        return True
+
+    def step(self) -> list[TokenEvent]:
+        """Prefill queued prompts (up to ``prefill_step_size`` tokens while rows decode), then one
+        draft-verify step over every running row. Returns the committed tokens."""
+        events: list[TokenEvent] = []
+        self._join(events)
+        if self.rows:
+            self._decode(events)
+        self.stats.generation_tokens += len(events)
+        return events
+
+    # -- 1. join ------------------------------------------------------------
+
+    def _join(self, events: list[TokenEvent]) -> None:
+        budget = self.prefill_step_size if self.rows else math.inf
+        while self.pending and budget > 0 and len(self.rows) < self.max_rows and self.ahead is None:
+            tic = time.perf_counter()
+            chunks, room = [], min(budget, self.prefill_step_size)  # free rows' requests share a forward
+            for row in itertools.islice(self.pending, self.max_rows - len(self.rows)):
+                start = row.prefilled
+                chunk = row.prompt[start : start + room]
+                row.prefilled, room = start + len(chunk), room - len(chunk)
+                chunks.append((row, start, chunk))
+                if not room:
+                    break
+            budget -= sum(len(chunk) for _, _, chunk in chunks)
+            outputs = self.target.prefill_rows([r.cache for r, _, _ in chunks], [c for _, _, c in chunks])
+            for (row, start, chunk), (logits, hidden) in zip(chunks, outputs):
+                self._absorb(row, start, hidden)
+                done = row.prefilled == len(row.prompt)
+                token, logprobs = self._first_token(row, logits) if done else (None, None)
+                mx.eval(token, logprobs, [c.state for c in row.cache], [c.state for c in row.draft_cache])
+                self.stats.prompt_tokens += len(chunk)
+                if done:
+                    self.pending.remove(row)
+                    self._start(row, token, logprobs, events)
+            self.stats.prompt_time += time.perf_counter() - tic
+
+    def _absorb(self, row: Row, start: int, hidden: mx.array) -> None:
+        """The drafter takes in a prompt chunk at positions ``start``.. as context: only the rows its
+        window will show at the prompt's end (the first ``keep`` and the last ``recent``); the others
+        cost it nothing but their positions."""
+        n, end = hidden.shape[1], len(row.prompt)
+        if self.reach is None:
+            self.drafter.absorb(hidden, row.draft_cache)
+            return
+        keep, recent = self.reach
+        sink = max(min(keep, start + n) - start, 0)  # chunk rows at positions < keep
+        tail = max(start, keep, end - recent) - start  # first chunk row the window keeps at the end
+        if sink:
+            self.drafter.absorb(hidden[:, :sink], row.draft_cache)
+        if tail > sink:
+            for c in row.draft_cache:
+                c.skip([min(tail, n) - sink])
+        if tail < n:
+            self.drafter.absorb(hidden[:, tail:], row.draft_cache)
+
+    def _first_token(self, row: Row, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        if row.processors:
+            prompt = mx.array(row.prompt)
+            logits = apply_processors(row.processors, prompt[:-1], prompt[-1:], logits)
+            row.history = prompt
+        token = row.strategy.at(len(row.prompt)).first(logits, row.subkey())
+        return token, _log_softmax(logits[0]) if row.logprobs else None
+
+    def _start(self, row: Row, token: mx.array, logprobs: mx.array | None, events: list[TokenEvent]) -> None:
+        if not self._emit(row, token.tolist(), 0, [logprobs], events):
+            self._save_row(row, row.cache, row.draft_cache)
+            return
+        if self.cache is None:
+            self.cache, self.draft_cache = row.cache, row.draft_cache
+        else:
+            self.target.join(self.cache, row.cache)
+            for batch, one in zip(self.draft_cache, row.draft_cache):
+                batch.extend(one)
+        row.cache = row.draft_cache = None
+        self.rows.append(row)
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (indices into ``self.rows``)."""
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.draft_cache = self.ahead = None
+            return
+        if self.ahead is not None:
+            self.ahead = tuple(x[mx.array(keep)] for x in self.ahead)
+        self.target.keep(self.cache, keep)
+        for c in self.draft_cache:
+            c.filter(keep)
+
+    def _save(self, i: int) -> None:
+        """Row ``i``'s caches to the prompt cache as it leaves."""
+        if self.prompt_cache is None:
+            return
+        length = min(self.target.lengths(self.cache)[i], self.draft_cache[0].positions[i]
+                     + sum(h.shape[0] for h in self.rows[i].pending))
+        cache = self.target.take(self.cache, i, length)
+        draft = [c.take(i, c.positions[i]) for c in self.draft_cache]
+        self._save_row(self.rows[i], cache, draft)
+
+    def _save_row(self, row: Row, cache: list | None, draft: list) -> None:
+        if self.prompt_cache is None or cache is None:
+            return
+        if row.pending:  # the drafter catches up, so that both caches hold the same tokens
+            self.drafter.absorb(mx.concatenate(row.pending)[None], draft)
+        length = draft[0].positions[0]
+        self.prompt_cache.save(row.tokens[:length], cache, draft)
+
+    # -- 2-5. one draft-verify step -----------------------------------------
+
+    def _decode(self, events: list[TokenEvent]) -> None:
+        tic, rows, R = time.perf_counter(), self.rows, len(self.rows)
+        longest = max(self.policy.max_block_size, self.policy.copy_block_size) - 1
+        for r in rows:  # as long as any block may be: a row's tokens past its max_tokens are dropped
+            r.copy = r.copies.suggest(longest) if r.copies else None
+        plan = self.policy.plan(rows)
+        B = plan.block_size
+        anchors = mx.array([[r.anchor] for r in rows], mx.int32)
+        rules = [r.strategy.at(len(r.tokens)) for r in rows]  # each row's block starts at its own position
+        proposals, qs, from_copy, drafted = self._propose(plan, anchors, rules)
+        if self.profile:
+            mx.eval(proposals)
+        else:  # the drafter computes while the host builds the verify graph
+            mx.async_eval(proposals)
+        drafted_at = time.perf_counter()
+        block = mx.concatenate([anchors, proposals], axis=1)
+        logits, hidden = self._verify_forward(block, proposals)
+        results = []
+        for i, r in enumerate(rows):
+            row_logits = logits[i]
+            if r.processors:
+                row_logits = apply_processors(r.processors, r.history, block[i], row_logits)
+            tokens, n = rules[i].verify(row_logits, proposals[i], qs[i], r.subkey())
+            results.append((tokens, n, _log_softmax(row_logits) if r.logprobs else None))
+        tokens, accepted, logprobs = zip(*results)
+        outputs = (tokens, accepted, [x for x in (*logprobs, drafted, *from_copy) if x is not None])
+        if B == 1 and not (self.pending and R < self.max_rows) and self.policy.expects_plain(rows):
+            # mlx_lm's pipelining: the next anchors' forward (the whole of a plain step) runs while
+            # the host reads this step's tokens. Evaluated apart: in one evaluation with it, reading
+            # the tokens would wait for that forward.
+            mx.async_eval(outputs)
+            self.ahead = self.target(mx.stack([t[:1] for t in tokens]), self.cache)
+            mx.async_eval(self.ahead)
+        mx.eval(outputs)
+        accepted = mx.stack(accepted).tolist()
+        drafted = drafted.tolist() if drafted is not None else None
+        if B > 1:  # a plain step rejects nothing (and may have run ahead since)
+            self.target.rollback(self.cache, [B - 1 - n for n in accepted])
+        done = time.perf_counter()
+        self._commit(plan, rows, tokens, accepted, drafted, from_copy, logprobs, hidden, block, events)
+        self.stats.record_step(R, B, len(set(accepted)) > 1, done - tic,
+                               (drafted_at - tic, done - drafted_at) if self.profile else None)
+        self.policy.observe(rows, plan, done - tic, self.ahead is not None)
+
+    def _propose(self, plan: Plan, anchors: mx.array, rules: list[Strategy]):
+        """Every row's B - 1 proposals (R, B-1), the q to verify each row's by (None: deterministic
+        or copied), which positions were copied (per row, or None) and the drafter's picks (or None)."""
+        rows, B = self.rows, plan.block_size
+        R = len(rows)
+        if B == 1:
+            return mx.zeros((R, 0), mx.int32), [None] * R, [None] * R, None
+        copies = [r.copy.cut(B - 1) if r.copy is not None else None for r in rows]
+        for r, c in zip(rows, copies):
+            r.copy = c
+        if not plan.draft:  # copies alone: no drafter forward; a row without one verifies its anchor repeated
+            proposals = [mx.array(c.tokens, mx.int32) if c else mx.repeat(anchors[i], B - 1)
+                         for i, c in enumerate(copies)]
+            return (mx.stack(proposals), [None] * R,
+                    [mx.ones((B - 1,), mx.bool_) if c else None for c in copies], None)
+        drafted, qs, confidence = self._draft(anchors, B, rules)
+        proposals, from_copy = [], []
+        for i, (r, copy) in enumerate(zip(rows, copies)):
+            p, q, copied = drafted[i], qs[i], None
+            if copy is not None and r.merges:  # the likelier source from their first disagreement on
+                rates = r.acceptance.copy_rates(copy)
+                p, copied = merge(p, confidence[i], mx.array(copy.tokens, mx.int32),
+                                  mx.array([rates.rate(j) for j in range(B - 1)]))
+            elif copy is not None and r.acceptance.copy_goes_further(copy, B - 1, self.policy.optimism):
+                # Chosen before the draft is looked at, so the rejection rule stays exact (q: point mass).
+                p, q, copied = mx.array(copy.tokens, mx.int32), None, mx.ones((B - 1,), mx.bool_)
+            proposals.append(p)
+            qs[i] = q
+            from_copy.append(copied)
+        return mx.stack(proposals), qs, from_copy, drafted
+
+    def _draft(self, anchors: mx.array, B: int, rules: list[Strategy]) -> tuple[mx.array, list, mx.array]:
+        """Every row's B-1 drafted proposals from one drafter forward, the distributions they were
+        drawn from, and the drafter's probability of each (lazy: read only to weigh a copy)."""
+        rows = self.rows
+        masks = mx.full((len(rows), B - 1), self.mask_id, mx.int32)
+        embeddings = self.target.embed(mx.concatenate([anchors, masks], axis=1))
+        context = self._pending_context(embeddings.dtype)
+        if self.picks_in_order:
+            pick = _RowPicks(rules, rows)
+            tokens, q, confidence = self.drafter.propose(embeddings, anchors[:, 0], context, self.draft_cache,
+                                                         self.head, pick)
+            return tokens, [None if q is None else q[i] for i in range(len(rows))], confidence
+        draft_logits = self.drafter(embeddings, context, self.draft_cache, self.head, self.ops)
+        tokens, qs, confidence = zip(*[self.drafter.pick(draft_logits[i], partial(rules[i].propose, key=r.subkey()))
+                                       for i, r in enumerate(rows)])
+        return mx.stack(tokens), list(qs), mx.stack(confidence)
+
+    def _pending_context(self, dtype: mx.Dtype) -> mx.array:
+        """Every row's hidden rows the drafter has not taken in, left-padded to a common count."""
+        rows = self.rows
+        counts = [sum(h.shape[0] for h in r.pending) for r in rows]
+        width = max(counts)
+        features = len(self.target.layer_ids) * self.target.hidden_size
+        if len(rows) == 1:
+            context = mx.concatenate(rows[0].pending)[None] if rows[0].pending else mx.zeros((1, 0, features), dtype)
+        else:
+            context = mx.stack([mx.concatenate([mx.zeros((width - n, features), dtype), *r.pending])
+                                for r, n in zip(rows, counts)])
+            for c in self.draft_cache:
+                c.prepare([width - n for n in counts])
+        for r in rows:
+            r.pending = []
+        return context
+
+    def _verify_forward(self, block: mx.array, proposals: mx.array) -> tuple[mx.array, mx.array]:
+        """Logits and hidden states of every row's ``[anchor, proposals]``."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return self.target(block, self.cache)
+        if proposals.shape[1] == 0:
+            return ahead
+        # The anchors' rows already ran: verify the proposals after them.
+        rest = self.target(proposals, self.cache)
+        return tuple(mx.concatenate(pair, axis=1) for pair in zip(ahead, rest))
+
+    def _commit(self, plan: Plan, rows: list[Row], tokens, accepted: list[int], drafted, from_copy, logprobs,
+                hidden: mx.array, block: mx.array, events: list[TokenEvent]) -> None:
+        B, keep = plan.block_size, []
+        for i, (r, n) in enumerate(zip(rows, accepted)):
+            committed = tokens[i].tolist()[: n + 1]
+            r.pending.append(hidden[i, : n + 1])
+            if r.processors:
+                r.history = mx.concatenate([r.history, block[i, : n + 1]])
+            copied = from_copy[i].tolist() if from_copy[i] is not None else []
+            r.stats.record(Step(committed, n, block_size=B, copied=sum(copied[:n]), copies=sum(copied),
+                                from_corpus=bool(copied) and r.copy is not None and r.copy.from_corpus))
+            r.acceptance.record(drafted[i] if drafted is not None else None, r.copy, committed)
+            lps = [logprobs[i][j] for j in range(n + 1)] if logprobs[i] is not None else [None] * (n + 1)
+            if self._emit(r, committed, n, lps, events):
+                keep.append(i)
+            else:
+                self._save(i)
+        self._keep(keep)
+
+    def _emit(self, row: Row, tokens: list[int], accepted: int, logprobs: list, events: list[TokenEvent]) -> bool:
+        """Turn committed tokens into events; False once the request is finished."""
+        for j, (token, lp) in enumerate(zip(tokens, logprobs)):
+            row.produced += 1
+            row.tokens.append(token)
+            if row.copies:
+                row.copies.extend([token])
+            reason = "stop" if row.matcher.advance(token) else None
+            if reason is None and row.produced == row.max_tokens:
+                reason = "length"
+            events.append(TokenEvent(row.uid, token, j < accepted, reason, lp, row.stats if reason else None))
+            if reason:
+                return False
+        row.anchor = tokens[-1]
+        return True
+
+
+class _RowPicks:
+    """Each row's own strategy as one picker over all rows (DFlash2's selector picks position by
+    position for every row at once)."""
+
+    def __init__(self, rules: list[Strategy], rows: list[Row]):
+        self.rules, self.rows = rules, rows
+        self.ops = rules[0].ops
+
+    def propose(self, scores: mx.array) -> tuple[mx.array, mx.array | None]:
+        picks = [rule.propose(scores[i : i + 1], row.subkey()) for i, (rule, row) in enumerate(zip(self.rules, self.rows))]
+        tokens = mx.concatenate([p for p, _ in picks])
+        if all(q is None for _, q in picks):
+            return tokens, None
+        # A deterministic row's q is never read (its rule matches tokens): its pick as a point mass.
+        qs = [q if q is not None else (mx.arange(scores.shape[-1]) == p[:, None]).astype(scores.dtype) for p, q in picks]
+        return tokens, mx.concatenate(qs)
+
+
+def _log_softmax(logits: mx.array) -> mx.array:
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def make_policy(model: DFlashModel, block_size: int | str | None = None, use_metal: bool | None = None,
+                **kwargs) -> BlockPolicy:
+    """The block policy of ``block_size``: an int (fixed), ``"auto"`` (adaptive; calibrates the pair
+    on first use, a second or so on small models) or None (the drafter's block size, fixed);
+    keyword arguments go to ``BlockPolicy``."""
+    if block_size == "auto":
+        return BlockPolicy(model.block_size, costs(model, use_metal), **kwargs)
+    block_size = model.block_size if block_size is None else block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise DFlashError(f"block size {block_size!r} is not an integer or 'auto'")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise DFlashError(f"block size {block_size} is out of range: use 1..{MAX_BLOCK_SIZE} or 'auto'")
+    return BlockPolicy(block_size, **kwargs)

@@ -1,0 +1,267 @@
+"""Block policy: each step's block size, and where each row's proposals come from.
+
+A step verifies ``B`` tokens per row: the anchor and ``B - 1`` proposals, drafted, copied from
+earlier text (``copying.py``), or both merged. A row commits ``1 + sum_k prod_{i<=k} a_i`` tokens in
+expectation, where ``a_i`` is the chance that its i-th proposal from a source is accepted given the
+ones before it were (``RunRates``: EMAs of what the target accepted, per row and per source:
+``Acceptance``). A fixed block size only chooses the source; ``"auto"`` also chooses ``B`` (and
+whether to run the drafter at all) to maximise the rows' expected tokens per second, from what a step
+of R rows costs on this machine at the context in use (``costs.py``). When nothing beats plain
+decoding (``B = 1``: one target row per request, no proposals) it decodes plainly, and probes a
+speculative block now and then so it notices when the text becomes predictable again.
+
+Why measured and not assumed: on MLX the verify cost of B rows is far from flat (quantized matmuls
+scale with rows, on Metal most of all in the 2-16 row range), so the best block differs per machine,
+model, dtype, batch and context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from .copying import Copy, common_run
+from .costs import COPY_BLOCK_SIZE, Costs, Drift
+
+# Copy runs are told apart by how much context they matched: (shortest match, ...) of each class.
+COPY_MATCH_CLASSES = (2, 4, 8)
+# Longest run of plain steps between two probes of a drafter that keeps missing.
+MAX_PROBE_EVERY = 128
+
+
+class RunRates:
+    """Chances that proposal i of a run is accepted given the ones before it were.
+
+    Averaged with the prior while a position has few observations, an EMA after (``decay``: the
+    weight of the past). A position never tested borrows the rate of the deepest tested one
+    before it: with the prior alone, a source that settled on short runs would never learn that
+    longer ones get accepted. ``optimistic`` choices add ``optimism / sqrt(observations + 1)`` to
+    each rate (an upper confidence bound), so positions seen rarely, e.g. after one unlucky
+    early rejection, get tested again instead of being ruled out for good.
+    """
+
+    def __init__(self, length: int, prior: float, decay: float):
+        self.rates = [prior] * length
+        self.seen = [0] * length  # observations per position
+        self.tested = 0  # positions 0..tested-1 have been observed at least once
+        self.decay = decay
+
+    def rate(self, position: int, optimism: float = 0.0) -> float:
+        i = min(position, self.tested - 1) if self.tested else position
+        return min(1.0, self.rates[i] + optimism / math.sqrt(self.seen[position] + 1))
+
+    def expected(self, proposals: int, optimism: float = 0.0) -> float:
+        """Expected accepted tokens among the first ``proposals`` of a run."""
+        total, run = 0.0, 1.0
+        for i in range(min(proposals, len(self.rates))):
+            run *= self.rate(i, optimism)
+            total += run
+        return total
+
+    def observe(self, tested: int, accepted: int) -> None:
+        """The first ``tested`` proposals were checked; the first ``accepted`` of them passed."""
+        for i in range(min(tested, len(self.rates))):
+            if 0 < self.tested <= i:  # first sight: start from the estimate it borrowed so far
+                self.rates[i] = self.rates[self.tested - 1]
+            self.seen[i] += 1
+            weight = max(1 - self.decay, 1 / (self.seen[i] + 1))
+            self.rates[i] += weight * ((1.0 if i < accepted else 0.0) - self.rates[i])
+        self.tested = max(self.tested, min(tested, len(self.rates)))
+
+
+class Acceptance:
+    """One row's run rates per source: the drafter, and copies by where they came from (the text
+    itself or the drafter's corpus) and how much context they matched."""
+
+    def __init__(self, draft_length: int, copy_length: int, prior: float = 0.6, decay: float = 0.8,
+                 copy_prior: float = 0.5):
+        self.drafter = RunRates(draft_length, prior, decay)
+        self.copies = [RunRates(copy_length, copy_prior, decay) for _ in COPY_MATCH_CLASSES]
+        self.corpus_copies = [RunRates(copy_length, copy_prior, decay) for _ in COPY_MATCH_CLASSES]
+
+    def copy_rates(self, copy: Copy) -> RunRates:
+        classes = self.corpus_copies if copy.from_corpus else self.copies
+        return classes[sum(copy.match >= m for m in COPY_MATCH_CLASSES) - 1]
+
+    def copy_goes_further(self, copy: Copy, proposals: int, optimism: float = 0.0) -> bool:
+        """Whether ``copy`` is expected to get at least as many of ``proposals`` accepted as the
+        drafter: then a block holds the copy alone."""
+        return self.copy_rates(copy).expected(proposals, optimism) >= self.drafter.expected(proposals, optimism)
+
+    def record(self, drafted: list[int] | None, copy: Copy | None, committed: list[int]) -> None:
+        """What each source proposed this step against what was committed: the source not followed
+        is scored too (``copying.common_run``), so both keep learning from every step."""
+        if drafted is not None:
+            self.drafter.observe(*common_run(drafted, committed))
+        if copy is not None:
+            self.copy_rates(copy).observe(*common_run(copy.tokens, committed))
+
+
+class Row(Protocol):
+    """What the policy reads of a running request (``engine.Row``)."""
+
+    acceptance: Acceptance
+    copy: Copy | None  # this step's copy suggestion
+    block_cap: int | None  # the request's own largest block
+    room: int  # tokens it may still produce
+    context: int  # tokens in its target cache
+
+    @property
+    def merges(self) -> bool: ...  # whether its proposals may merge a copy into a draft
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step: ``block_size`` tokens verified per row, after a drafter forward (``draft``) or not
+    (plain decoding, or copies alone)."""
+
+    block_size: int
+    draft: bool
+
+    @property
+    def plain(self) -> bool:
+        return self.block_size == 1
+
+
+PLAIN = Plan(1, False)
+
+
+class ProbeSchedule:
+    """When a policy whose estimates favour plain decoding runs a speculative probe instead.
+
+    A probe follows ``every`` plain steps; each probe after which plain decoding still wins
+    doubles the wait, up to ``longest`` (text the drafter cannot predict should not keep paying
+    for probes), and a step that drafts on its merits resets it. It starts due, so a low prior
+    alone cannot rule speculation out.
+    """
+
+    def __init__(self, every: int, longest: int = MAX_PROBE_EVERY):
+        self.every, self.wait, self.longest = every, every, longest
+        self.plain_steps, self.probed = every - 1, False
+
+    def due(self) -> bool:
+        """Whether the next step that would decode plainly probes instead."""
+        return self.plain_steps + 1 >= self.wait
+
+    def probe(self, plain: bool, drafted: bool) -> bool:
+        """Account for a step whose best plan is ``plain`` (``drafted``: it runs the drafter);
+        True when that plain step is to be a probe."""
+        probed, self.probed = self.probed, False
+        if not plain:
+            self.plain_steps = 0
+            if drafted:
+                self.wait = self.every
+            return False
+        if probed:
+            self.wait = min(2 * self.wait, self.longest)
+        self.plain_steps += 1
+        if self.plain_steps < self.wait:
+            return False
+        self.plain_steps, self.probed = 0, True
+        return True
+
+
+class BlockPolicy:
+    """The block size of every step, fixed or ``auto``, for the rows running then.
+
+    costs: the pair's ``Costs`` for ``auto`` (None: a fixed ``max_block_size``). Rows' estimates
+    start at ``prior`` and follow what was accepted with ``decay``. ``optimism`` is the bonus for
+    rarely tested positions (``RunRates``), divided among the rows of a step: a wrong guess costs
+    every row's verify, so a batch weighs what it measured. probe_every: after this many plain
+    steps, one speculative step refreshes the estimates (``ProbeSchedule``). copy_block_size: the
+    largest copy-only block (default: ``COPY_BLOCK_SIZE`` or the drafted maximum if larger).
+    timed: multi-row steps' observed times rescale their calibrated cost (``Drift``): the
+    calibration of several rows is the noisiest, and per-row work (picks, copies, rollback) is not in
+    it. Single rows stay untimed: there timing noise cost more than it corrected (HumanEval 1.20x
+    against 1.36x untimed, benchmarks/results/README.md).
+    """
+
+    def __init__(self, max_block_size: int, costs: Costs | None = None, *, prior: float = 0.6, decay: float = 0.8,
+                 optimism: float = 0.3, probe_every: int = 16, copy_block_size: int | None = None,
+                 timed: bool = True):
+        self.costs, self.max_block_size = costs, max_block_size
+        self.prior, self.decay, self.optimism = prior, decay, optimism
+        # Copy-only steps run no drafter, so the drafter's block does not bound them.
+        self.copy_block_size = copy_block_size or (max(max_block_size, COPY_BLOCK_SIZE) if costs else max_block_size)
+        self.probes = ProbeSchedule(probe_every)
+        self.drift = Drift(decay) if timed and costs else None
+        self.last_rows = 0  # rows of the last step observed
+
+    @property
+    def adaptive(self) -> bool:
+        return self.costs is not None
+
+    def acceptance(self) -> Acceptance:
+        """A new row's estimates."""
+        longest = max(self.max_block_size, self.copy_block_size) - 1
+        return Acceptance(max(self.max_block_size - 1, 1), max(longest, 1), self.prior, self.decay)
+
+    def step_seconds(self, rows: list[Row], plan: Plan) -> float:
+        R = len(rows)
+        context = sum(r.context for r in rows) / R
+        seconds = self.costs.ready(R).step_seconds(R, plan.block_size, plan.draft, context)
+        return seconds * self.drift.scale(plan.block_size) if self.drift is not None and R > 1 else seconds
+
+    def _gain(self, row: Row, plan: Plan, optimism: float, copies: bool) -> float:
+        """Expected accepted proposals of ``row`` in a step of ``plan`` (its copy counted if ``copies``)."""
+        n = plan.block_size - 1
+        copy = 0.0
+        if copies and row.copy is not None and n:
+            copy = row.acceptance.copy_rates(row.copy).expected(n, optimism)
+        if not plan.draft:
+            return copy
+        drafted = row.acceptance.drafter.expected(n, optimism)
+        return max(drafted, copy)  # merged, or the copy alone where it goes further
+
+    def _options(self, rows: list[Row], copies: bool = True) -> list[tuple[float, Plan]]:
+        """Every plan with its expected tokens per second; plain first. ``copies``: count the rows'
+        copy suggestions (else as if there were none)."""
+        limit = self._limit(rows)
+        optimism = self.optimism / len(rows)
+        plans = [PLAIN] + [Plan(B, True) for B in range(2, min(self.max_block_size, limit) + 1)]
+        if copies and any(r.copy is not None for r in rows):
+            plans += [Plan(B, False) for B in range(2, min(self.copy_block_size, limit) + 1)]
+        return [((len(rows) + sum(self._gain(r, p, optimism, copies) for r in rows)) / self.step_seconds(rows, p), p)
+                for p in plans]
+
+    @staticmethod
+    def _limit(rows: list[Row]) -> int:
+        """Most tokens per row worth verifying: no row's own cap exceeded, none past every row's end."""
+        return min([max(r.room for r in rows)] + [r.block_cap for r in rows if r.block_cap])
+
+    def plan(self, rows: list[Row]) -> Plan:
+        """This step's plan. A fixed size runs the drafter unless every row's copy is expected to
+        go at least as far (the step then skips the drafter)."""
+        limit = self._limit(rows)
+        if not self.adaptive:
+            B = min(self.max_block_size, limit)
+            if B == 1:
+                return PLAIN
+            copies = all(r.copy is not None and r.acceptance.copy_goes_further(r.copy, B - 1, self.optimism)
+                         for r in rows)
+            return Plan(B, not copies)
+        options = self._options(rows)
+        plan = max(options, key=lambda o: o[0])[1]
+        if self.probes.probe(plan.plain and self.max_block_size > 1 and limit > 1, plan.draft):
+            return max(options[1:], key=lambda o: o[0])[1]
+        return plan
+
+    def expects_plain(self, rows: list[Row]) -> bool:
+        """Whether the next step decodes plainly unless a copy turns up (the engine then starts it early)."""
+        if any(r.block_cap == 1 for r in rows) or self.max_block_size == 1:
+            return True
+        if not self.adaptive or self.probes.due():
+            return False
+        return max(self._options(rows, copies=False), key=lambda o: o[0])[1].plain
+
+    def observe(self, rows: list[Row], plan: Plan, seconds: float, ahead: bool = False) -> None:
+        """A step of ``plan`` over ``rows`` took ``seconds``; ``ahead``: it started the next step's
+        forward early (``Drift.observe``). A step after rows joined or left also joined or filtered
+        their caches: its run is not timed."""
+        R = len(rows)
+        steady, self.last_rows = R == self.last_rows, R
+        if self.drift is not None and R > 1:
+            calibrated = self.costs.ready(R).step_seconds(R, plan.block_size, plan.draft,
+                                                          sum(r.context for r in rows) / R)
+            self.drift.observe(plan.block_size, seconds, calibrated, ahead, steady)

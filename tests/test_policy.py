@@ -1,0 +1,253 @@
+"""The block policy (fixed and auto, one row or many), the drafter's context window and prompt
+reuse: the choices the engine asks the policy for, and losslessness whatever it chooses."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from tiny import OracleDrafter, PolicyRow, ScriptedPolicy
+
+import dflash_mlx
+from dflash_mlx import DFlashModel, Engine, PromptCache, stream_generate
+from dflash_mlx.cache.context import ContextCache
+from dflash_mlx.costs import SHORT_CONTEXT, Costs, RowCosts, StepCosts, calibrate, costs
+from dflash_mlx.engine import make_policy
+from dflash_mlx.policy import BlockPolicy
+
+# Step cost in units of one plain decoding step, one row.
+STEEP = StepCosts({1: RowCosts({1: 1.0, 2: 1.9, 4: 3.7, 8: 7.4, 16: 15.0}, {1: 0.0, 2: 0.3, 16: 0.6})}, {1: 0.0})
+FLAT = StepCosts({1: RowCosts({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.1, 16: 0.15})}, {1: 0.0})
+
+
+def rows(policy: BlockPolicy, n: int = 1, **kwargs) -> list[PolicyRow]:
+    return [PolicyRow(policy.acceptance(), **kwargs) for _ in range(n)]
+
+
+def observe(rows: list[PolicyRow], accepted_fraction: float, steps: int = 40, block: int = 16) -> None:
+    for r in rows:
+        for _ in range(steps):
+            n = round(accepted_fraction * (block - 1))
+            r.acceptance.drafter.observe(min(n + 1, block - 1), n)
+
+
+def sizes(policy: BlockPolicy, rs: list[PolicyRow], steps: int) -> list[int]:
+    return [policy.plan(rs).block_size for _ in range(steps)]
+
+
+def test_steep_cost_and_low_acceptance_decode_plainly():
+    policy = BlockPolicy(16, STEEP, probe_every=8)
+    rs = rows(policy)
+    observe(rs, 0.1)
+    planned, expected_plain = [], []
+    for _ in range(64):
+        expected_plain.append(policy.expects_plain(rs))
+        planned.append(policy.plan(rs).block_size)
+    # Plain decoding, with a speculative probe now and then to notice recoveries; each probe
+    # after which plain decoding still wins doubles the wait for the next.
+    assert [i for i, b in enumerate(planned) if b > 1] == [0, 16, 48]
+    assert expected_plain == [b == 1 for b in planned]  # the engine starts plain steps early on this
+    # A drafter that becomes right again is drafted on its merits, which resets the wait.
+    observe(rs, 1.0)
+    assert policy.plan(rs).block_size > 1
+    observe(rs, 0.0, steps=80)
+    assert sizes(policy, rs, 8).count(1) == 7
+
+
+def test_high_acceptance_uses_large_blocks():
+    for table in (FLAT, STEEP):  # even a steep curve pays off when every proposal is accepted
+        policy = BlockPolicy(16, table)
+        rs = rows(policy)
+        observe(rs, 1.0)
+        assert policy.plan(rs).block_size == 16 if table is FLAT else policy.plan(rs).block_size > 1
+
+
+def test_policy_grows_the_block_when_everything_is_accepted():
+    # Costs as measured on a CPU: the prior alone makes block 2 look best at first.
+    table = StepCosts({1: RowCosts({1: 1.0, 2: 1.0, 4: 2.0, 8: 1.8, 16: 2.6}, {1: 0.0, 2: 0.04, 16: 0.1})}, {1: 0.0})
+    policy = BlockPolicy(16, table)
+    (r,) = rows(policy)
+    planned = []
+    for _ in range(20):
+        planned.append(policy.plan([r]).block_size)
+        r.acceptance.drafter.observe(planned[-1] - 1, planned[-1] - 1)
+    assert planned[0] < 16 and planned[-5:] == [16] * 5
+
+
+def test_policy_recovers_from_an_unlucky_first_step():
+    table = StepCosts({1: RowCosts({1: 1.0, 2: 1.2, 4: 1.3, 8: 1.7, 16: 2.0}, {1: 0.0, 2: 0.1, 16: 0.3})}, {1: 0.0})
+    policy = BlockPolicy(16, table)
+    (r,) = rows(policy)
+    r.acceptance.drafter.observe(3, 2)  # rejected at position 2 once...
+    planned = []
+    for _ in range(20):  # ... but the drafter is really right 8 times in a row, wrong on the 9th
+        planned.append(policy.plan([r]).block_size)
+        n = min(planned[-1] - 1, 8)
+        r.acceptance.drafter.observe(min(n + 1, planned[-1] - 1), n)
+    assert planned[-5:] == [9] * 5  # exactly the useful block: 8 proposals and the bonus
+
+
+def test_more_rows_take_smaller_blocks():
+    """With the verify cost growing in rows x block, more rows mean a smaller block."""
+    table = StepCosts({
+        1: RowCosts({1: 1.0, 4: 1.05, 8: 1.1}, {1: 0.0, 8: 0.05}),  # one row: nearly flat
+        8: RowCosts({1: 8.0, 2: 8.8, 4: 12.0, 8: 24.0}, {1: 0.0, 8: 0.8}),  # 8 rows: compute-bound
+    }, {1: 0.0})
+    # Every row accepts each proposal with probability 0.8 (no optimism: the rates as they are).
+    policy = BlockPolicy(8, table, prior=0.8, optimism=0.0)
+    assert policy.plan(rows(policy, 1)).block_size == 8
+    assert policy.plan(rows(policy, 8)).block_size == 4
+    assert policy.plan(rows(policy, 4)).block_size in (4, 5, 6)  # interpolated between 1 and 8 rows
+
+
+def test_a_long_context_takes_smaller_blocks():
+    """A verify row's cost grows with the keys it attends to: the same acceptance buys a large block
+    after a short prompt and a small one (or none) after a long one."""
+    table = StepCosts({1: RowCosts({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}, {1: 0.0, 8: 0.1})},
+                      {1: 0.0001, 2: 0.0004, 4: 0.001, 8: 0.0025})  # per row per context token
+    policy = BlockPolicy(8, table, prior=0.6, optimism=0.0)
+    short, long = policy.plan(rows(policy)).block_size, policy.plan(rows(policy, context=4096)).block_size
+    assert short >= 4 and long < short
+
+
+def test_timed_policy_follows_observed_step_times():
+    """A calibration that has 8 rows' blocks of 2 cheap: once they are seen at 1.35x its figure,
+    plain steps (untried, so taken as calibrated) win; a run of plain steps that started each
+    next forward early is timed as a whole; a step after rows joined or left is not timed; one row
+    is never timed."""
+    table = StepCosts({1: RowCosts({1: 1.0, 2: 1.05}, {1: 0.0, 2: 0.05}),
+                       8: RowCosts({1: 1.0, 2: 1.05}, {1: 0.0, 2: 0.05})}, {1: 0.0})
+    policy = BlockPolicy(2, table, prior=0.25, optimism=0.0)
+    rs = rows(policy, 8)
+    assert policy.plan(rs).block_size == 2  # 1.25 tokens per row for 1.1 s against 1 for 1.0 s
+    two, one = policy.plan(rs), type(policy.plan(rs))(1, False)
+    policy.observe(rs, two, 9.0)  # the first step after the rows joined: not timed
+    assert policy.drift.ratios == {}
+    policy.observe(rs, two, 1.1 * 1.35)
+    assert policy.drift.ratios[2] == pytest.approx(1.35) and policy.plan(rs).block_size == 1
+    for seconds, ahead in [(2.0, True), (1.0, True), (0.0, False)]:  # each waits for the next forward
+        policy.observe(rs, one, seconds, ahead)
+    assert policy.drift.ratios[1] == pytest.approx(1.0)
+    policy.observe(rs[:7], one, 5.0)  # a row left: its cache was filtered in this step
+    policy.observe(rs[:1], one, 5.0)  # one row: not timed
+    assert policy.drift.ratios[1] == pytest.approx(1.0)
+
+
+def test_step_costs_interpolate():
+    assert STEEP.step_seconds(1, 1) == 1.0
+    assert STEEP.step_seconds(1, 3) == pytest.approx((1.9 + 3.7) / 2 + 0.3 + 0.3 / 14)
+    assert STEEP.step_seconds(1, 16) == pytest.approx(15.6)
+    assert STEEP.step_seconds(1, 16, draft=False) == pytest.approx(15.0)
+
+
+def test_context_cache_keeps_start_and_recent_rows():
+    cache = ContextCache(keep=2, recent=5)
+    rows_ = lambda a, b: mx.arange(a, b, dtype=mx.float32).reshape(1, 1, -1, 1)  # noqa: E731
+    pos = 0
+    for n in (3, 1, 4, 2, 6, 1):  # context rows per step, then a 4-row block trimmed off
+        k, _ = cache.update_and_fetch(rows_(pos, pos + n + 4), rows_(pos, pos + n + 4))
+        assert k.shape[2] <= 2 + 5 + n + 4
+        cache.trim(4)
+        pos += n
+        stored = cache.keys[0, 0, : cache.lengths[0], 0].tolist()
+        assert cache.positions == [pos] and cache.offset.tolist() == [pos]
+        assert stored == [0, 1] + list(range(max(2, pos - 5), pos))
+    # A shorter shared prefix on the next turn: the rows before it.
+    taken = cache.take(0, pos - 3)
+    assert taken.positions == [pos - 3] and taken.keys[0, 0, : taken.lengths[0], 0].tolist() == [0, 1, 12, 13]
+    taken = cache.take(0, 4)  # past the stored tail: only start rows survive
+    assert taken.positions == [4] and taken.keys[0, 0, : taken.lengths[0], 0].tolist() == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_pair):
+    model, tokenizer = dflash_mlx.load(*map(str, tiny_pair("qwen3")))
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model.target.model, max_tokens=40)]
+    return model, tokenizer, prompt, ref
+
+
+def tokens(model, tokenizer, prompt, n=40, **kwargs):
+    responses = list(stream_generate(model, tokenizer, prompt, n, **kwargs))
+    return [r.token for r in responses], responses[-1].stats
+
+
+def test_calibration_times_every_block_size_and_rows_once(setup):
+    model = DFlashModel(setup[0].target, setup[0].drafter)
+    table, longer = calibrate(model, max_block_size=8, contexts=(32, 64), repeats=1)
+    # Verify timed up to the largest copy-only block, the drafter up to its block.
+    assert sorted(table.verify) == [1, 2, 4, 8, 12, 16] and all(t > 0 for t in table.verify.values())
+    assert table.draft[1] == 0 and all(table.draft[b] > 0 for b in (2, 4, 8))
+    assert sorted(longer.verify) == sorted(table.verify)  # and again after a longer context
+    pair_costs = costs(model)
+    assert costs(model) is pair_costs and set(pair_costs.table.rows) == {1}
+    assert set(pair_costs.ready(3).rows) == {1, 2, 4}  # the row counts a step of 3 rows needs
+    for B in (1, 2, 4):  # more rows never cost less
+        assert 0 < pair_costs.table.step_seconds(1, B) <= pair_costs.table.step_seconds(2, B) <= pair_costs.table.step_seconds(4, B)
+    # Another pair object over the same models is calibrated on its own.
+    assert costs(DFlashModel(model.target, model.drafter)) is not pair_costs
+    assert isinstance(make_policy(model, "auto").costs, Costs)
+
+
+@pytest.mark.parametrize("drafter", ["random", "oracle"])
+@pytest.mark.parametrize("table", ["steep", "flat", "measured"])
+def test_adaptive_greedy_equals_mlx_lm(setup, drafter, table):
+    model, tokenizer, prompt, ref = setup
+    d = OracleDrafter(model.drafter, prompt + ref, wrong_every=7) if drafter == "oracle" else model.drafter
+    pair = DFlashModel(model.target, d)
+    # Fake tables stand as measured; "measured" is what block_size="auto" does.
+    policy = {"steep": BlockPolicy(16, STEEP), "flat": BlockPolicy(16, FLAT)}.get(table, "auto")
+    out, stats = tokens(pair, tokenizer, prompt, block_size=policy)
+    assert out == ref[: len(out)]
+    assert stats.adaptive and len(stats.block_sizes) == len(stats.acceptance_lengths)
+    if table == "steep" and drafter == "random":
+        assert stats.plain_fraction > 0.5  # speculation does not pay: mostly plain decoding
+    if table == "flat" and drafter == "oracle":
+        assert stats.speculative and stats.tau > 3
+
+
+@pytest.mark.parametrize("window", [(0, 8), (4, 16)])
+@pytest.mark.parametrize("block_size", [4, 16, "auto"])
+def test_drafter_window_greedy_equals_mlx_lm(setup, window, block_size):
+    model, tokenizer, prompt, ref = setup
+    oracle = DFlashModel(model.target, OracleDrafter(model.drafter, prompt + ref, wrong_every=5))
+    if block_size == "auto":
+        block_size = BlockPolicy(16, FLAT)
+    out, stats = tokens(oracle, tokenizer, prompt, block_size=block_size, draft_window=window, prefill_step_size=16)
+    assert out == ref[: len(out)]
+    assert stats.tau > 2  # absolute positions survive the window: the oracle still lines up
+
+
+def test_prompt_cache_reuse_equals_a_fresh_run(setup):
+    model, tokenizer, prompt, ref = setup
+    cache = PromptCache()
+    first, _ = tokens(model, tokenizer, prompt, 20, prompt_cache=cache, draft_window=(4, 32))
+    follow = prompt + first + tokenizer.encode(" Again:")
+    fresh, _ = tokens(model, tokenizer, follow, 30)
+    engine = Engine(model, prompt_cache=cache, draft_window=(4, 32))
+    uid = engine.add(follow, max_tokens=30)
+    assert engine.cached_tokens(uid) == len(prompt) + len(first) - 1
+    reused, _ = tokens(model, tokenizer, follow, 30, prompt_cache=cache, draft_window=(4, 32))
+    assert reused == fresh
+    # A different conversation through the same cache: cut to the shared prefix.
+    other = tokenizer.encode("Something else entirely")
+    assert tokens(model, tokenizer, other, 20, prompt_cache=cache)[0] == tokens(model, tokenizer, other, 20)[0]
+
+
+def test_a_generation_stopped_while_running_ahead_leaves_a_reusable_cache(setup):
+    model, tokenizer, prompt, ref = setup
+    cache, first = PromptCache(), []
+    for response in stream_generate(model, tokenizer, prompt, 40, block_size=ScriptedPolicy([3, 1, 1]),
+                                    prompt_cache=cache):
+        first.append(response.token)
+        if len(response.stats.block_sizes) > 1 and response.stats.block_sizes[-1] == 1 and len(first) >= 10:
+            break  # the caller stops with the next anchor's forward started
+    assert first == ref[: len(first)] and cache.entries
+    follow = prompt + first + tokenizer.encode(" Again:")
+    assert tokens(model, tokenizer, follow, 30, prompt_cache=cache)[0] == tokens(model, tokenizer, follow, 30)[0]
+
+
+def test_a_policy_object_can_be_passed_as_block_size(setup):
+    model, tokenizer, prompt, ref = setup
+    policy = make_policy(model, "auto", probe_every=2)
+    out, stats = tokens(model, tokenizer, prompt, block_size=policy)
+    assert out == ref[: len(out)]
+    assert stats.adaptive and stats.block_size == model.block_size and max(stats.block_sizes) <= 16
