@@ -160,13 +160,16 @@ Runner = Callable[[Launch], Sequence[mx.array]]
 
 
 def metal_source(filename: str) -> str:
-    """Text of a file in ``metal/`` (the ``dflash_mlx.kernels.metal`` package once installed)."""
-    try:
-        return importlib.resources.files("dflash_mlx.kernels.metal").joinpath(filename).read_text()
-    except ModuleNotFoundError:
-        # A plain source checkout has no dflash_mlx.kernels.metal: the package-dir
-        # mapping only exists once setuptools has installed the project.
-        return (Path(__file__).resolve().parents[2] / "metal" / filename).read_text()
+    """Text of a file in ``metal/``: the checkout's own folder beside the package
+    when there is one, else the installed ``dflash_mlx.kernels.metal`` package."""
+    # The checkout first: an editable install maps dflash_mlx.kernels.metal to the
+    # checkout it was installed from, which need not be the one being imported
+    # (a git worktree run with PYTHONPATH), and tests must compile the .metal
+    # files beside the code that plans their launches.
+    checkout = Path(__file__).resolve().parents[2] / "metal" / filename
+    if checkout.is_file():
+        return checkout.read_text()
+    return importlib.resources.files("dflash_mlx.kernels.metal").joinpath(filename).read_text()
 
 
 def build_kernel(name: str, source: str | None = None, header: str | None = None) -> Callable:
