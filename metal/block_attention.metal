@@ -1,30 +1,37 @@
-// Block attention of the drafter: one threadgroup per (query row, head).
+// Block attention of the drafter: one threadgroup per (query row, head, batch row).
 // Template: T (dtype), D (head dim, a multiple of 32), NSG (simdgroups).
-// params = [L, S, n_heads / n_kv_heads, window (0: none), causal (0/1)].
+// params = [L, S, n_heads, n_heads / n_kv_heads, window (0: none), causal (0/1)];
+// lengths[r] = how many of batch row r's S keys are real (the rest is padding).
 // Each simdgroup runs an online softmax over every NSG-th visible key and the
 // lanes split the head dim, so a key costs one simd_sum; the simdgroups'
 // partial softmaxes are merged through threadgroup memory at the end.
 constexpr int PER_LANE = D / 32;
 const int L = params[0];
 const int S = params[1];
-const int group = params[2];
-const int window = params[3];
-const bool causal = params[4] != 0;
+const int n_heads = params[2];
+const int group = params[3];
+const int window = params[4];
+const bool causal = params[5] != 0;
 const int row = threadgroup_position_in_grid.x;
 const int head = threadgroup_position_in_grid.y;
+const int batch = threadgroup_position_in_grid.z;
 const int sg = simdgroup_index_in_threadgroup;
 const int lane = thread_index_in_simdgroup;
 
-// The mask comes from positions: query `row` sits at S - L + row. The window
-// limits context keys only and the block's keys start at S - L, so the visible
-// keys are one contiguous range.
-const int qpos = S - L + row;
-const int lo = window > 0 ? min(max(0, qpos - window + 1), S - L) : 0;
-const int hi = causal ? qpos + 1 : S;
+// The mask comes from positions: this batch row's block is the last L of its
+// `end` keys, so query `row` sits at end - L + row. The window limits context
+// keys only and the block's keys start at end - L, so the visible keys are one
+// contiguous range, and padding (from `end` on) is never read. Clamping `end`
+// to [L, S] keeps any lengths value inside the buffers.
+const int end = min(max(int(lengths[batch]), L), S);
+const int qpos = end - L + row;
+const int lo = window > 0 ? min(max(0, qpos - window + 1), end - L) : 0;
+const int hi = causal ? qpos + 1 : end;
 
-const device T* qrow = q + (size_t(head) * L + row) * D;
-const device T* keys = k + size_t(head / group) * S * D;
-const device T* values = v + size_t(head / group) * S * D;
+const device T* qrow = q + ((size_t(batch) * n_heads + head) * L + row) * D;
+const size_t kv_head = size_t(batch) * (n_heads / group) + head / group;
+const device T* keys = k + kv_head * S * D;
+const device T* values = v + kv_head * S * D;
 
 float qs[PER_LANE];
 float acc[PER_LANE];
@@ -80,7 +87,7 @@ if (sg == 0) {
       o[d] += w * tg_acc[g * D + lane + 32 * d];
     }
   }
-  device T* orow = out + (size_t(head) * L + row) * D;
+  device T* orow = out + ((size_t(batch) * n_heads + head) * L + row) * D;
   for (int d = 0; d < PER_LANE; ++d) {
     orow[lane + 32 * d] = T(o[d] / l_all);
   }

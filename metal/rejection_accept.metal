@@ -1,5 +1,7 @@
-// Rejection-sampling verify in one threadgroup of NT threads (template: T, NT).
-// params = [B, V]; proposals is padded to B entries; q has max(B - 1, 1) rows.
+// Rejection-sampling verify, one threadgroup of NT threads per batch row
+// (template: T, NT). params = [B, V]; p (R, B, V); q (R, B - 1, V), or any
+// non-empty buffer when B == 1 (never read then); proposals (R, B), each row
+// padded with one unused entry; uniforms (R, B).
 // The residual row is sampled by inverse CDF: each thread owns a contiguous
 // chunk of the vocabulary, so chunk totals plus an exclusive prefix over them
 // give every CDF value without materialising the CDF.
@@ -9,6 +11,11 @@ const int V = params[1];
 const int t = thread_position_in_threadgroup.x;
 const int sg = simdgroup_index_in_threadgroup;
 const int lane = thread_index_in_simdgroup;
+const int r = threadgroup_position_in_grid.y;
+auto row_proposals = proposals + size_t(r) * B;
+auto row_uniforms = uniforms + size_t(r) * B;
+auto row_p = p + size_t(r) * B * V;
+auto row_q = q + size_t(r) * (B - 1) * V;
 
 threadgroup int tg_n;
 threadgroup float tg_prefix[NT + 1];
@@ -20,9 +27,9 @@ threadgroup int tg_count[NSG];
 if (t == 0) {
   int accepted = 0;
   while (accepted < B - 1) {
-    const int x = proposals[accepted];
+    const int x = row_proposals[accepted];
     const size_t at = size_t(accepted) * V + x;
-    if (!(uniforms[accepted] * float(q[at]) < float(p[at]))) {
+    if (!(row_uniforms[accepted] * float(row_q[at]) < float(row_p[at]))) {
       break;
     }
     ++accepted;
@@ -32,10 +39,10 @@ if (t == 0) {
 threadgroup_barrier(mem_flags::mem_threadgroup);
 const int n = tg_n;
 // auto: MLX binds inputs under 8 elements as `constant`, larger as `device`.
-auto pn = p + size_t(n) * V;
+auto pn = row_p + size_t(n) * V;
 // q has no row for the bonus position: the bonus is drawn from p alone.
 const bool has_q = n < B - 1;
-auto qn = q + (has_q ? size_t(n) * V : 0);
+auto qn = row_q + (has_q ? size_t(n) * V : 0);
 
 const int chunk = (V + NT - 1) / NT;
 const int lo = min(V, t * chunk);
@@ -82,7 +89,7 @@ if (t == 0) {
   }
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
-const float threshold = uniforms[B - 1] * tg_prefix[NT];
+const float threshold = row_uniforms[B - 1] * tg_prefix[NT];
 
 // Pass 3: the sample is the number of CDF values <= threshold.
 float cdf = tg_prefix[t];
@@ -102,8 +109,8 @@ if (t == 0) {
   for (int g = 0; g < NSG; ++g) {
     sample += tg_count[g];
   }
-  num_accepted[0] = n;
+  num_accepted[r] = n;
   for (int b = 0; b < B; ++b) {
-    tokens[b] = b < n ? proposals[b] : (b == n ? min(sample, last) : 0);
+    tokens[size_t(r) * B + b] = b < n ? row_proposals[b] : (b == n ? min(sample, last) : 0);
   }
 }

@@ -13,33 +13,39 @@ import kernel_harness as H  # noqa: E402
 from dflash_mlx import kernels  # noqa: E402
 
 
-def _attention(dtype: mx.Dtype, D: int) -> kernels.Launch:
-    q = mx.zeros((1, 4, 4, D), dtype)
-    kv = mx.zeros((1, 2, 12, D), dtype)
-    return kernels.plan_block_attention(q, kv, kv, scale=D**-0.5, sliding_window=None)
+def _attention(dtype: mx.Dtype, D: int, R: int = 1) -> kernels.Launch:
+    q = mx.zeros((R, 4, 4, D), dtype)
+    kv = mx.zeros((R, 2, 12, D), dtype)
+    lengths = mx.full((R,), 9, mx.int32)
+    return kernels.plan_block_attention(q, kv, kv, scale=D**-0.5, sliding_window=None, lengths=lengths)
 
 
-def _greedy(dtype: mx.Dtype, B: int, V: int) -> kernels.Launch:
-    return kernels.plan_greedy_accept(mx.zeros((B, V), dtype), mx.zeros((B - 1,), mx.int32))
+def _greedy(dtype: mx.Dtype, B: int, V: int, R: int = 1) -> kernels.Launch:
+    return kernels.plan_greedy_accept(mx.zeros((R, B, V), dtype), mx.zeros((R, B - 1), mx.int32))
 
 
-def _rejection(dtype: mx.Dtype, B: int, V: int) -> kernels.Launch:
+def _rejection(dtype: mx.Dtype, B: int, V: int, R: int = 1) -> kernels.Launch:
     return kernels.plan_rejection_accept(
-        mx.zeros((B, V), dtype), mx.zeros((B - 1, V), dtype),
-        mx.zeros((B - 1,), mx.int32), mx.zeros((B,)),
+        mx.zeros((R, B, V), dtype), mx.zeros((R, B - 1, V), dtype),
+        mx.zeros((R, B - 1), mx.int32), mx.zeros((R, B)),
     )
 
 
 DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
 
 # Every template instantiation that ships, plus tiny shapes: MLX binds inputs of
-# fewer than 8 elements as `constant` instead of `device`, a different kernel.
+# fewer than 8 elements as `constant` instead of `device`, a different kernel
+# (a few rows' lengths, proposals and uniforms; 8 rows or more: `device`).
 LAUNCHES = {
     **{f"attention-{n}-D{D}": (_attention, (t, D)) for n, t in DTYPES.items() for D in (64, 128)},
+    "attention-device-lengths": (_attention, (mx.float16, 64, 8)),
     **{f"greedy-{n}": (_greedy, (t, 8, 1000)) for n, t in DTYPES.items()},
     **{f"rejection-{n}": (_rejection, (t, 8, 1000)) for n, t in DTYPES.items()},
+    "greedy-rows": (_greedy, (mx.bfloat16, 4, 1000, 3)),
+    "rejection-rows": (_rejection, (mx.float16, 4, 1000, 3)),
     "greedy-constant-logits": (_greedy, (mx.float32, 1, 5)),
     "rejection-B1": (_rejection, (mx.float32, 1, 1000)),
+    "rejection-B1-rows": (_rejection, (mx.float32, 1, 1000, 4)),
     "rejection-constant-q": (_rejection, (mx.float32, 3, 3)),
 }
 
@@ -84,6 +90,12 @@ BROKEN = {
         _greedy(mx.float32, 1, 5),
         _edit(GREEDY, "auto x = logits", "const device T* x = logits"),
         None, "'constant float const *'",
+    ),
+    # Fine once 8 rows or more bind lengths as `device`, broken for fewer.
+    "lengths-as-device": (
+        _attention(mx.float32, 64, 2),
+        _edit(ATTENTION, "const int end =", "const device int32_t* row_lengths = lengths + batch;\nconst int end ="),
+        None, "'constant int32_t const *'",
     ),
     "double-on-gpu": (
         _rejection(mx.float32, 4, 100), _edit(REJECTION, "float total = 0.0f;", "double total = 0.0;"),
