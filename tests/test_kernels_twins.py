@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from dflash_mlx import kernels
-from dflash_mlx.cache.ragged import RaggedKVCache
 
 # -- block attention ----------------------------------------------------------
 
@@ -45,16 +44,6 @@ def test_block_attention_without_lengths_treats_rows_independently() -> None:
         want = kernels.block_attention_twin(q[r : r + 1], k[r : r + 1], v[r : r + 1], scale=0.25,
                                             sliding_window=4, causal=True)
         assert mx.allclose(got[r : r + 1], want, atol=1e-5).item()
-
-
-def test_block_visibility_is_the_ragged_cache_mask() -> None:
-    """The drafter's ragged cache masks by the same rule, so it can hand its lengths to the op."""
-    cache = RaggedKVCache(3)
-    cache.lengths = [11, 6, 8]
-    for window, causal in [(None, False), (None, True), (3, True), (2, False)]:
-        want = cache.block_mask(4, window, causal)
-        got = kernels.block_visibility(4, 11, sliding_window=window, causal=causal, lengths=mx.array(cache.lengths))
-        assert mx.array_equal(got, want).item(), (window, causal)
 
 
 # -- accept ops -----------------------------------------------------------------

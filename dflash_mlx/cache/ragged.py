@@ -9,10 +9,10 @@ key is its absolute position) and ends at its own length:
 - dropping a row's rejected proposals only lowers its length (no copy);
 - the masks hide, per row, whatever lies past its end.
 
-The same cache serves the target (``make_mask``, as mlx_lm models call it) and
-the drafter, whose context rows arrive left-padded to a common count
-(``prepare``) so that each row's block lands right after its own context
-(``block_mask``).
+The same cache serves the target (``make_mask``, as mlx_lm models call it) and,
+through ``cache/context.py``, the drafter, whose context rows arrive left-padded
+to a common count (``prepare``) so that each row's block lands right after its
+own context (its length tells the block attention where: ``kernels``).
 """
 
 from __future__ import annotations
@@ -95,23 +95,6 @@ class RaggedKVCache:
         if window is not None:
             mask &= key > query - window
         return mask[:, None]
-
-    def block_mask(self, L: int, sliding_window: int | None, causal: bool = False) -> mx.array:
-        """The drafter block's visibility per row, (R, 1, L, S), after its forward.
-
-        Each row's block is its last ``L`` keys, at positions start..start+L-1. The rule per
-        row is ``kernels.block_attention_twin``'s: a block row sees the context within the
-        sliding window (all of it without one) and the whole block (only up to itself when
-        ``causal``).
-        """
-        lengths = mx.array(self.lengths)[:, None, None]
-        key = mx.arange(max(self.lengths))
-        query = lengths - L + mx.arange(L)[:, None]
-        in_context = key < lengths - L
-        sees_context = in_context if sliding_window is None else in_context & (query - key < sliding_window)
-        in_block = ~in_context & (key < lengths)
-        sees_block = in_block & (key <= query) if causal else in_block
-        return (sees_context | sees_block)[:, None]
 
     def take(self, row: int, length: int) -> "RaggedKVCache":
         """A one-row cache holding the first ``length`` tokens of row ``row``."""

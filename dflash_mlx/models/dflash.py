@@ -215,12 +215,10 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
         k, v = self._context_kv(mx.concatenate([context, x], axis=1), cache)
-        window = self.sliding_window
-        if cache.filled():  # every row's keys fill the arrays: the op's own layout
-            out = ops.block_attention(q, k, v, scale=self.scale, sliding_window=window, causal=self.causal)
-        else:  # ragged rows: each row's block sits at its own end
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
-                                                       mask=cache.block_mask(L, window, self.causal))
+        # Ragged rows: each row's block sits at its own end.
+        lengths = None if cache.filled() else mx.array(cache.lengths, mx.int32)
+        out = ops.block_attention(q, k, v, scale=self.scale, sliding_window=self.sliding_window, causal=self.causal,
+                                  lengths=lengths)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
