@@ -61,28 +61,29 @@ class DraftTree:
     def shape(self) -> tuple[int, int]:
         return self.tokens.shape
 
-    def paths(self) -> tuple[np.ndarray, np.ndarray]:
-        """Each row's root-to-leaf paths and where each node lies on them.
+    def runs(self) -> list[list[tuple[int, list[int], int]]]:
+        """The trees cut into runs without branches, batched by how many runs lie above them.
 
-        Returns ``paths`` (R, P, T): node indices along path p of row r (P: the most leaves of
-        any row, T: the deepest path's length; shorter paths repeat their last node, rows with
-        fewer leaves repeat their first path) and ``slots`` (R, N): for each node, the index
-        ``p * T + depth`` of one path position holding it (padding: the root's).
+        A run starts at a root or at a child of a branching node and goes on while its last
+        node has exactly one child; the runs under it start at that last node's children.
+        Returns, per batch k, its runs as (row, nodes, index in batch k - 1 of the run above,
+        -1 in batch 0). A chain is one run; padding is in none.
         """
-        R, N = self.shape
-        leaves = [[i for i in range(1, n) if not (self.parents[r, :n] == i).any()] or [0]
-                  for r, n in enumerate(self.sizes)]
-        P, T = max(map(len, leaves)), int(self.depths.max()) + 1
-        paths, slots = np.zeros((R, P, T), np.int32), np.zeros((R, N), np.int32)
-        for r, row in enumerate(leaves):
-            for p in range(P):
-                leaf = row[min(p, len(row) - 1)]
-                path = ancestry(self.parents[r], leaf)
-                paths[r, p] = path + [path[-1]] * (T - len(path))
-            for p, leaf in reversed(list(enumerate(row))):  # the first path holding a node wins
-                for d, node in enumerate(ancestry(self.parents[r], leaf)):
-                    slots[r, node] = p * T + d
-        return paths, slots
+        children = [[[] for _ in range(n)] for n in self.sizes]
+        for r, n in enumerate(self.sizes):
+            for i in range(1, n):
+                children[r][self.parents[r, i]].append(i)
+        batches, heads = [], [(r, 0, -1) for r in range(len(self.sizes))]
+        while heads:
+            batch = []
+            for r, node, above in heads:
+                run = [node]
+                while len(children[r][run[-1]]) == 1:
+                    run.append(children[r][run[-1]][0])
+                batch.append((r, run, above))
+            batches.append(batch)
+            heads = [(r, c, k) for k, (r, run, _) in enumerate(batch) for c in children[r][run[-1]]]
+        return batches
 
 
 def ancestry(parents: np.ndarray, node: int) -> list[int]:

@@ -11,14 +11,17 @@ a tree forward (and per instance: model classes are never patched):
 - each attention layer's ``rope`` is swapped for one that rotates every token at its own position
   (``mx.fast.rope`` takes one offset per batch row, so the (R, H, N, D) queries and keys go
   through it as R * N rows of one token);
-- each Gated DeltaNet layer runs each root-to-leaf path as a row of its own through mlx_lm's own
-  layer, so every node's conv window and recurrent state follow its ancestors exactly. The input
-  projections (most of the layer's weights) run once per node and are played back along the
-  paths, as rollback.py plays them back; out_proj runs once per node. Paths repeat the nodes they
-  share: the recurrence and conv see ``P * T`` rows (P leaves, T the deepest path) instead of
-  ``N``, cheap beside the projections; a parent-indexed recurrence would save them at the price
-  of a kernel of our own. The layer's cache is not touched: ``commit`` advances it along the
-  accepted path with the recorded projections (``rollback.replay``), ``len(path)`` steps.
+- each Gated DeltaNet layer runs the tree's branch-free runs (``DraftTree.runs``) through mlx_lm's
+  own layer, one call per batch of runs, each run starting from the conv window and recurrent
+  state its parent node left: every node's state follows its ancestors exactly and is computed
+  once. The input projections (most of the layer's weights) run once over all nodes and are
+  played back per batch, as rollback.py plays them back; out_proj runs once over all nodes. A
+  chain is one call of N steps, as a chain verify; a bushy tree a few calls (as many as runs lie
+  above one another). The alternatives cost more: each root-to-leaf path as a row repeats the
+  nodes paths share (a bushy tree's recurrence then costs several chains'), one call per depth
+  costs a layer call per node of a chain (benchmarks/results/tree_verify.json). The layer's
+  cache is not touched: ``commit`` advances it along the accepted path with the recorded
+  projections (``rollback.replay``), ``len(path)`` steps.
 
 Attention K/V of every node land in the cache after the row's prefix, in node order; ``commit``
 gathers the accepted path's rows to the front and drops the rest, so the cache then holds exactly
@@ -36,6 +39,7 @@ from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
 from .cache.ragged import RaggedKVCache
@@ -146,40 +150,60 @@ class _Identity:
 
 
 class _TreeMixer:
-    """A Gated DeltaNet layer over a tree's nodes: each root-to-leaf path a row through the layer."""
+    """A Gated DeltaNet layer over a tree's nodes: its runs through mlx_lm's own layer, batch by
+    batch, each run starting from the state its parent node left (``_RunLayout``)."""
 
-    def __init__(self, mixer: nn.Module, tree: DraftTree, sink: dict, layer: int):
-        self.mixer, self.sink, self.layer = mixer, sink, layer
+    def __init__(self, mixer: nn.Module, layout: "_RunLayout", sink: dict, layer: int):
+        self.mixer, self.layout, self.sink, self.layer = mixer, layout, sink, layer
         self.names = _projection_names(mixer)  # before Target's forward swaps recorders in
-        paths, slots = tree.paths()
-        R, self.P, self.T = paths.shape
-        N = tree.shape[1]
-        rows = mx.arange(R)[:, None, None] * N
-        self.along = (rows + mx.array(paths)).reshape(-1)  # flat node of each path position
-        self.slots = (mx.arange(R)[:, None] * self.P * self.T + mx.array(slots)).reshape(-1)
 
     def __call__(self, x: mx.array, mask: mx.array | None, cache: ArraysCache) -> mx.array:
-        R, N, _ = x.shape
-        names = self.names
-        outputs = {name: self.mixer[name](x) for name in names}
+        outputs = {name: self.mixer[name](x) for name in self.names}
         self.sink[self.layer] = (x, outputs)
+        rows = {name: y.reshape(-1, *y.shape[2:]) for name, y in outputs.items()}
+        x_rows, states, outs = x.reshape(-1, x.shape[-1]), (cache[0], cache[1]), []
+        with _swapped_item(self.mixer, "out_proj", _Identity()) as out_proj:
+            for batch in self.layout.batches:
+                runs = ArraysCache(2)
+                # each run starts from the state its parent node left (batch 0: the cache's rows)
+                runs[0], runs[1] = (None if s is None else s[batch.above] for s in states)
+                played = {name: (x_rows[batch.nodes], y[batch.nodes]) for name, y in rows.items()}
+                if batch.lengths is not None:  # mlx_lm's batched form: past its end a run's state stays
+                    runs.lengths = batch.lengths + 0  # a copy: the layer's cache.advance subtracts in place
+                with _swapped(self.mixer, self.names, played, rows=batch.nodes.shape[1]):
+                    outs.append(self.mixer(played[self.names[0]][0], batch.mask, runs))
+                states = (runs[0], runs[1])
+        out = mx.concatenate([o.reshape(-1, o.shape[-1]) for o in outs])[self.layout.slots]
+        return out_proj(out.reshape(*x.shape[:2], -1))
 
-        def along(a: mx.array) -> mx.array:
-            return a.reshape(R * N, *a.shape[2:])[self.along].reshape(R * self.P, self.T, *a.shape[2:])
 
-        played = {name: (along(x), along(y)) for name, y in outputs.items()}
-        paths = ArraysCache(2)
-        for k in (0, 1):  # each path starts from its row's state; None: a fresh one
-            paths[k] = None if cache[k] is None else mx.repeat(cache[k], self.P, axis=0)
-        out_proj = self.mixer["out_proj"]
-        self.mixer["out_proj"] = _Identity()
-        try:
-            with _swapped(self.mixer, names, played, rows=self.T):
-                out = self.mixer(played[names[0]][0], None, paths)
-        finally:
-            self.mixer["out_proj"] = out_proj
-        nodes = out.reshape(R * self.P * self.T, -1)[self.slots].reshape(R, N, -1)
-        return out_proj(nodes)
+@dataclass(frozen=True)
+class _Batch:
+    nodes: mx.array  # (runs, L): flat node index (row * N + node) along each run, padded with its last
+    above: mx.array  # (runs,): the row of the previous batch (batch 0: of the cache) each run starts from
+    lengths: mx.array | None  # (runs,): each run's length, None when all are L
+    mask: mx.array | None  # (runs, L): steps within each run
+
+
+class _RunLayout:
+    """``DraftTree.runs`` as gathers: each run a row of one mixer call per batch, so a chain is one
+    call of N steps and a bushy tree a few calls whose rows hold each node once (plus padding)."""
+
+    def __init__(self, tree: DraftTree):
+        R, N = tree.shape
+        self.batches, slots, seen = [], np.zeros((R, N), np.int64), 0
+        for batch in tree.runs():
+            L = max(len(run) for _, run, _ in batch)
+            nodes = np.array([[r * N + run[min(j, len(run) - 1)] for j in range(L)] for r, run, _ in batch])
+            for k, (r, run, _) in enumerate(batch):
+                slots[r, run] = seen + k * L + np.arange(len(run))
+            lengths = np.array([len(run) for _, run, _ in batch])
+            ragged = bool((lengths < L).any())
+            above = [r if a < 0 else a for r, _, a in batch]
+            self.batches.append(_Batch(mx.array(nodes), mx.array(above), mx.array(lengths) if ragged else None,
+                                       mx.array(np.arange(L) < lengths[:, None]) if ragged else None))
+            seen += nodes.size
+        self.slots = mx.array(slots.reshape(-1))  # padding nodes read output 0: no real node sees them
 
 
 @contextmanager
@@ -188,13 +212,14 @@ def _tree_mode(target: Target, cache: list, tree: DraftTree, starts: list[int], 
     masks = _TreeMasks(tree, starts)
     positions = mx.array(starts)[:, None] + mx.array(tree.depths)
     mixers = target.cache_policy.mixers
+    layout = _RunLayout(tree) if mixers else None
     with ExitStack() as stack:
         for i, layer in enumerate(target.layers):
             if layer is None:
                 continue
             if i in mixers:
                 name = next(k for k, v in layer.items() if v is mixers[i])
-                stack.enter_context(_swapped_item(layer, name, _TreeMixer(mixers[i], tree, sink, i)))
+                stack.enter_context(_swapped_item(layer, name, _TreeMixer(mixers[i], layout, sink, i)))
             else:
                 attention = _attention(layer)
                 stack.enter_context(_swapped_item(attention, "rope", _TreeRope(attention["rope"], positions)))
@@ -202,11 +227,12 @@ def _tree_mode(target: Target, cache: list, tree: DraftTree, starts: list[int], 
 
 
 @contextmanager
-def _swapped_item(module: nn.Module, name: str, stand_in) -> Iterator[None]:
+def _swapped_item(module: nn.Module, name: str, stand_in) -> Iterator[nn.Module]:
+    """``module[name]`` replaced by ``stand_in`` for the block, which gets the original."""
     original = module[name]
     module[name] = stand_in
     try:
-        yield
+        yield original
     finally:
         module[name] = original
 
