@@ -30,10 +30,8 @@ import dflash_mlx  # noqa: F401  (loads OpenBLAS before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from bench_rollback import build as build_hybrid
-from mlx.utils import tree_map
+from bench_rollback import build as build_hybrid, random_model
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.utils import _get_classes
 
 from dflash_mlx import tree as trees
 from dflash_mlx.cache.ragged import RaggedKVCache
@@ -48,12 +46,7 @@ def build_qwen3(hidden: int, layers: int, vocab: int = 4096) -> nn.Module:
     config = dict(model_type="qwen3", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=3 * hidden,
                   num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64, rms_norm_eps=1e-6,
                   vocab_size=vocab, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=True)
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(config))
-    model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
-    mx.eval(model.parameters())
-    return model
+    return random_model(config)
 
 
 def snapshot(cache: list) -> list:
