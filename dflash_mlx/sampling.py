@@ -170,14 +170,20 @@ class Coupled:
             self._noise.append(mx.random.gumbel((self.vocab_size,), key=key))
         return mx.stack(self._noise[:rows])
 
-    def _pick(self, logits: mx.array, columns: mx.array | None = None, read: bool = False,
-              noise: mx.array | None = None) -> mx.array:
+    def scores(self, logits: mx.array, columns: mx.array | None = None, read: bool = False,
+               noise: mx.array | None = None) -> mx.array:
+        """The perturbed scores whose argmax is the pick: rows (..., L, V') of positions
+        ``position ..`` over vocabulary ids ``columns``. Over a drafter's block they rank a draft
+        tree's candidates (``tree.build``), rank 0 being the chain's proposal."""
         if noise is None:
             noise = self.noise(logits.shape[-2]) if logits.ndim > 1 else self.noise(1)[0]
         if columns is not None:
             noise = mx.take(noise, columns, axis=-1)
-        scores = filtered_logprobs(logits, self.params, read) / self.params.temp
-        return mx.argmax(scores + noise, axis=-1).astype(mx.int32)
+        return filtered_logprobs(logits, self.params, read) / self.params.temp + noise
+
+    def _pick(self, logits: mx.array, columns: mx.array | None = None, read: bool = False,
+              noise: mx.array | None = None) -> mx.array:
+        return mx.argmax(self.scores(logits, columns, read, noise), axis=-1).astype(mx.int32)
 
     def first(self, logits: mx.array, key: mx.array | None = None) -> mx.array:
         return self._pick(logits, read=True)

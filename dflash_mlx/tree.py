@@ -146,7 +146,8 @@ def build(draft_logits: mx.array, budget: int | Sequence[int], roots: Sequence[i
     ``roots`` (R,): the last committed tokens; ``width``: candidates per depth (default
     ``min(max budget, V')``).
     ``calibration`` (D, K): measured acceptance of the candidate of each (depth, rank) given its
-    parent was accepted; when given, scores sum its logs instead of the drafter's log-probs.
+    parent was accepted; when given, scores sum its logs instead of the drafter's log-probs (it
+    must not rise along ranks, nor above 1, for the pops to come best first).
     ``copies``: per row, tokens copied from earlier text (may be empty), a branch from the root,
     its node at depth d scored ``sum_{j<=d} log copy_rates[j-1]``; where a copied token equals a
     drafted candidate under the same parent they are one node.

@@ -160,6 +160,15 @@ def test_coupled_picks_share_noise_by_depth():
     assert mx.array_equal(greedy, mx.argmax(logits, axis=-1)).item()
 
 
+def test_coupled_drafts_rank_candidates_by_their_perturbed_scores():
+    """Under coupled sampling a tree's top chain is the chain's coupled proposals."""
+    rule = Coupled(SamplingParams(temp=0.8, top_p=0.9), get_ops(), seed=3, vocab_size=40).at(6)
+    draft = random_logits(1, 5, 16, seed=6)
+    columns = mx.arange(24, 40)  # a draft vocabulary
+    chained = trees.build(rule.scores(draft, columns), 5, [1], columns=columns, width=1)
+    assert chained.tokens[0, 1:].tolist() == columns[rule.propose(draft, columns=columns)[0][0]].tolist()
+
+
 # -- verification on the target ---------------------------------------------------------------
 
 ALL = ["qwen3", "llama", "gemma3_text", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
