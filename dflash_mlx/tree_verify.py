@@ -19,7 +19,7 @@ a tree forward (and per instance: model classes are never patched):
   chain is one call of N steps, as a chain verify; a bushy tree a few calls (as many as runs lie
   above one another). The alternatives cost more: each root-to-leaf path as a row repeats the
   nodes paths share (a bushy tree's recurrence then costs several chains'), one call per depth
-  costs a layer call per node of a chain (benchmarks/results/tree_verify.json). The layer's
+  costs a layer call per node of a chain (benchmarks/results/tree_gdn_layouts.json). The layer's
   cache is not touched: ``commit`` advances it along the accepted path with the recorded
   projections (``rollback.replay``), ``len(path)`` steps.
 
