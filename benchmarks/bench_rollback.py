@@ -48,6 +48,11 @@ def build(family: str, hidden: int, layers: int, vocab: int = 4096) -> nn.Module
             num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64, query_pre_attn_scalar=64,
             vocab_size=vocab, sliding_window=128, sliding_window_pattern=min(6, layers),
         )
+    return random_model(config)
+
+
+def random_model(config: dict) -> nn.Module:
+    """An mlx_lm model of ``config`` with its random initial weights, fp32."""
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(config))

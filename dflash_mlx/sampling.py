@@ -137,6 +137,10 @@ class Greedy:
     def verify(self, logits: mx.array, proposals: mx.array, _q, key: mx.array | None = None) -> tuple[mx.array, mx.array]:
         return self.ops.greedy_accept(logits, proposals)
 
+    def pick_nodes(self, logits: mx.array, depths: mx.array) -> mx.array:
+        """The target's token at each node of a draft tree (logits (N, V)): its argmax."""
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
+
 
 class Coupled:
     """Gumbel-max sampling with one noise vector per absolute position (see the module notes).
@@ -166,12 +170,20 @@ class Coupled:
             self._noise.append(mx.random.gumbel((self.vocab_size,), key=key))
         return mx.stack(self._noise[:rows])
 
-    def _pick(self, logits: mx.array, columns: mx.array | None = None, read: bool = False) -> mx.array:
-        noise = self.noise(logits.shape[-2]) if logits.ndim > 1 else self.noise(1)[0]
+    def scores(self, logits: mx.array, columns: mx.array | None = None, read: bool = False,
+               noise: mx.array | None = None) -> mx.array:
+        """The perturbed scores whose argmax is the pick: rows (..., L, V') of positions
+        ``position ..`` over vocabulary ids ``columns``. Over a drafter's block they rank a draft
+        tree's candidates (``tree.build``), rank 0 being the chain's proposal."""
+        if noise is None:
+            noise = self.noise(logits.shape[-2]) if logits.ndim > 1 else self.noise(1)[0]
         if columns is not None:
             noise = mx.take(noise, columns, axis=-1)
-        scores = filtered_logprobs(logits, self.params, read) / self.params.temp
-        return mx.argmax(scores + noise, axis=-1).astype(mx.int32)
+        return filtered_logprobs(logits, self.params, read) / self.params.temp + noise
+
+    def _pick(self, logits: mx.array, columns: mx.array | None = None, read: bool = False,
+              noise: mx.array | None = None) -> mx.array:
+        return mx.argmax(self.scores(logits, columns, read, noise), axis=-1).astype(mx.int32)
 
     def first(self, logits: mx.array, key: mx.array | None = None) -> mx.array:
         return self._pick(logits, read=True)
@@ -183,6 +195,13 @@ class Coupled:
 
     def verify(self, logits: mx.array, proposals: mx.array, _q, key: mx.array | None = None) -> tuple[mx.array, mx.array]:
         return self.ops.match_accept(self._pick(logits, read=True), proposals)
+
+    def pick_nodes(self, logits: mx.array, depths: mx.array) -> mx.array:
+        """The target's token at each node of a draft tree (logits (N, V)), a node at depth d
+        predicting position ``position + d``: siblings share a position and so its noise, one
+        vector per depth drawn once and gathered per node."""
+        noise = mx.take(self.noise(int(depths.max().item()) + 1), depths, axis=0)
+        return self._pick(logits, read=True, noise=noise)
 
 
 class Rejection:

@@ -113,6 +113,20 @@ class RaggedKVCache:
         """Drop the last ``drops[r]`` tokens of row r."""
         self._set_lengths([k - d for k, d in zip(self.lengths, drops)])
 
+    def compact(self, starts: list[int], kept: list[list[int]]) -> None:
+        """Of row r's tokens from ``starts[r]`` on, keep those at offsets ``kept[r]`` (ascending),
+        moved to the front: row r then ends at ``starts[r] + len(kept[r])`` (a draft tree's
+        accepted path, tree_verify.commit)."""
+        M = max(map(len, kept))
+        # Past a row's new end the gather copies columns onto themselves: nothing moves there.
+        source = mx.array([[s + (k[j] if j < len(k) else j) for j in range(M)] for s, k in zip(starts, kept)])
+        index = source.reshape(len(kept), 1, M, 1)
+        to = (mx.array(starts)[:, None] + mx.arange(M)).reshape(len(kept), 1, M, 1)
+        for name in ("keys", "values"):
+            rows = getattr(self, name)
+            setattr(self, name, mx.put_along_axis(rows, to, mx.take_along_axis(rows, index, axis=2), axis=2))
+        self._set_lengths([s + len(k) for s, k in zip(starts, kept)])
+
     def filter(self, keep: list[int]) -> None:
         """Keep only the rows ``keep``, in that order."""
         lengths = [self.lengths[i] for i in keep]

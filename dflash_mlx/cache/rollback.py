@@ -195,20 +195,27 @@ class CachePolicy:
     def _replay(self, keep: list[int]) -> None:
         """Restore each recurrent layer's state from before the last forward, then run
         its first ``keep[r]`` rows again (row r; one ``keep`` for all rows alike)."""
-        rows = max(keep)
         for i, c, (conv, state), record in self._records:
             c[0], c[1] = conv, state
-            if not rows:
-                continue
-            mask = None
-            if min(keep) < rows:
-                # mlx_lm's batched form: masked steps leave the recurrent state as it
-                # was, and the conv state is read at each row's own length.
-                c.lengths = mx.array(keep)
-                mask = mx.arange(rows) < c.lengths[:, None]
-            # Only the cache updates are evaluated later: the replayed output,
-            # its gate projection and out_proj stay unused graph nodes.
-            x = next(iter(record.values()))[0][:, :rows]
-            with _swapped(self.mixers[i], list(record), record, rows=rows):
-                self.mixers[i](x, mask, c)
-            c.lengths = None
+            replay(self.mixers[i], c, record, keep)
+
+
+def replay(mixer: nn.Module, cache: ArraysCache, record: dict, keep: list[int]) -> None:
+    """Advance a Gated DeltaNet layer's state ``cache`` by the first ``keep[r]`` rows of row r
+    of ``record`` (projection name -> (its input, its output), (R, L, ...)), through mlx_lm's
+    own layer with the projections played back."""
+    rows = max(keep)
+    if not rows:
+        return
+    mask = None
+    if min(keep) < rows:
+        # mlx_lm's batched form: masked steps leave the recurrent state as it
+        # was, and the conv state is read at each row's own length.
+        cache.lengths = mx.array(keep)
+        mask = mx.arange(rows) < cache.lengths[:, None]
+    # Only the cache updates are evaluated later: the replayed output,
+    # its gate projection and out_proj stay unused graph nodes.
+    x = next(iter(record.values()))[0][:, :rows]
+    with _swapped(mixer, list(record), record, rows=rows):
+        mixer(x, mask, cache)
+    cache.lengths = None
