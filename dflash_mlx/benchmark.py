@@ -167,7 +167,7 @@ def _profile(model, prompt: list[int], args: argparse.Namespace, result: Dataset
     from .engine import Engine
 
     engine = Engine(model, block_size=args.block_size, max_rows=1, copy_proposals=args.copy_proposals,
-                    draft_window=args.draft_window, profile=True)
+                    draft_window=args.draft_window, tree_budget=args.tree_budget, profile=True)
     engine.add(prompt, max_tokens=args.max_tokens, temp=args.temp)
     while not engine.idle:
         engine.step()
@@ -206,7 +206,8 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
         def dflash():
             mx.random.seed(args.seed)
             return _timed(stream_generate(model, tokenizer, prompt, args.max_tokens, temp=args.temp, block_size=args.block_size,
-                                          copy_proposals=args.copy_proposals, draft_window=args.draft_window))
+                                          copy_proposals=args.copy_proposals, draft_window=args.draft_window,
+                                          tree_budget=args.tree_budget))
 
         if i % 2 == 0:
             base, (spec, last) = baseline(), dflash()

@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> None:
         stop_tokens=stop_tokens,
         draft_window=args.draft_window,
         copy_proposals=args.copy_proposals,
+        tree_budget=args.tree_budget,
         prefill_step_size=args.prefill_step_size,
     ):
         print(response.text, end="", flush=True)

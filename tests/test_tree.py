@@ -87,7 +87,7 @@ def test_copy_branch_merges_with_drafted_nodes():
     for d, t in enumerate([5, 6, 7, 8]):  # the drafter is sure of 5 6 7 8
         logits[0, d, t] = 9.0
     copy = [5, 6, 2, 3]  # shares 5 6, then differs
-    tree = trees.build(mx.array(logits), 7, [1], width=2, copies=[copy], copy_rates=[0.9, 0.9, 0.8, 0.8])
+    tree = trees.build(mx.array(logits), 7, [1], width=2, copies=[copy], copy_rates=[[0.9, 0.9, 0.8, 0.8]])
     path = {tuple(int(tree.tokens[0, j]) for j in trees.ancestry(tree.parents[0], i)[1:]): i
             for i in range(1, tree.sizes[0])}
     assert tree.sizes[0] == 8 and len(path) == 7  # merged: no token twice under one parent
@@ -193,7 +193,7 @@ def joined_cache(target: Target, prompts: list[list[int]]) -> tuple[list, list[m
     engine does), and each prompt's last logits."""
     cache, last = None, []
     for prompt in prompts:
-        row = target.make_batch_cache(1)
+        row = target.make_cache(1)
         last.append(target.prefill(mx.array(prompt), row, 8)[0])
         if cache is None:
             cache = row

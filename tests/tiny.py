@@ -180,37 +180,45 @@ def decode(model, prompt: list[int], max_tokens: int, *, engine_kwargs: dict | N
     return [e.token for e in events], events[-1].stats
 
 
-class OracleDrafter(Drafter):
+class _Oracle:
     """A drafter that knows the answer: the target's own continuation.
 
     It still runs the real drafter forward (so cache bookkeeping is exercised) but replaces its
     logits with a peak on the reference token, corrupting every ``wrong``-th position (0: never)
     so some blocks are rejected part-way. Every row drafts ``reference``; with ``engine`` set, row
     r drafts ``refs[uid]`` of request ``engine.uids[r]`` (prompt + the target's continuation),
-    wrong every ``wrong[uid]``-th position. One-hot rows are built by comparison.
+    wrong every ``wrong[uid]``-th position. A DFlash2 selector picks the peak too (it dwarfs the
+    selector's pairwise term).
     """
 
-    def __init__(self, drafter: Drafter, reference: list[int] | None = None, wrong_every: int = 0):
-        super().__init__(drafter.args)
-        self.update(drafter.parameters())
-        self.reference, self.wrong_every = reference, wrong_every
-        self.refs, self.wrong, self.engine = {}, {}, None
+    def hidden(self, block_embeddings, context_hidden, cache, ops):
+        out = super().hidden(block_embeddings, context_hidden, cache, ops)
+        self._starts = list(cache[0].positions)  # the anchors' positions: context rows are 0..start-1
+        return out
 
-    def __call__(self, block_embeddings, context_hidden, cache, lm_head, ops):
-        logits = super().__call__(block_embeddings, context_hidden, cache, lm_head, ops)
-        R, L = block_embeddings.shape[:2]
+    def logits(self, hidden, lm_head):
+        logits = super().logits(hidden, lm_head)
+        R, L = hidden.shape[:2]
         rows = []
         for r in range(R):
             uid = self.engine.uids[r] if self.engine is not None else None
             ref = self.refs[uid] if uid is not None else self.reference
             every = self.wrong[uid] if uid is not None else self.wrong_every
-            start = cache[0].positions[r]  # the anchor's position: context rows are positions 0..start-1
-            for pos in range(start + 1, start + L):
+            for pos in range(self._starts[r] + 1, self._starts[r] + L + 1):
                 tok = ref[pos] if pos < len(ref) else 0
                 rows.append((tok + 1) % logits.shape[-1] if every and pos % every == 0 else tok)
-        hot = mx.arange(logits.shape[-1]) == mx.array(rows).reshape(R, L - 1, 1)
+        hot = mx.arange(logits.shape[-1]) == mx.array(rows).reshape(R, L, 1)
         # Depends on the real logits (so the forward runs) without their -inf outside a draft vocabulary.
-        return mx.depends(mx.where(hot, 30.0, 0.0), logits)
+        return mx.depends(mx.where(hot, 1000.0, 0.0), logits)
+
+
+def OracleDrafter(drafter: Drafter, reference: list[int] | None = None, wrong_every: int = 0) -> Drafter:
+    """``drafter`` (DFlash or DFlash2, its weights shared) turned into an oracle (``_Oracle``)."""
+    oracle = type(f"Oracle{type(drafter).__name__}", (_Oracle, type(drafter)), {})(drafter.args)
+    oracle.update(drafter.parameters())
+    oracle.reference, oracle.wrong_every = reference, wrong_every
+    oracle.refs, oracle.wrong, oracle.engine = {}, {}, None
+    return oracle
 
 
 # -- released checkpoint layouts ---------------------------------------------------
