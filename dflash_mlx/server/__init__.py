@@ -91,6 +91,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sharding_arguments(p)
 
 
+def resolve_api_key(flag: str | None) -> str | None:
+    """The key requests must carry: ``--api-key``, else the environment variable, else none."""
+    key = flag if flag is not None else os.environ.get(API_KEY_VARIABLE) or None
+    if key is not None and (not key or not key.isascii() or not key.isprintable() or key != key.strip()):
+        raise DFlashError("the API key must be printable ASCII without surrounding spaces (an HTTP header carries it)")
+    return key
+
+
 def make_server(args: argparse.Namespace) -> Server:
     """Bind, then load the model on the worker thread; the server is ready but not yet serving."""
     import mlx.core as mx
@@ -99,9 +107,7 @@ def make_server(args: argparse.Namespace) -> Server:
 
     check_flags(args)
     resolve_pair(args)
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
-    if api_key is not None and (not api_key.isascii() or not api_key.isprintable() or api_key != api_key.strip()):
-        raise DFlashError("the API key must be printable ASCII without surrounding spaces (an HTTP header carries it)")
+    api_key = resolve_api_key(args.api_key)
     if args.block_size is None:  # coupled sampling keeps a seeded request's text at every block size
         args.block_size = "auto"
     defaults = {"temperature": args.temp, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}

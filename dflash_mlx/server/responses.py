@@ -69,6 +69,19 @@ def _only(name: str, allowed: dict, why: str):
     return check
 
 
+def _input(value: str | list, info: ServerInfo) -> str | list:
+    if isinstance(value, list) and not 0 < len(value) <= MAX_MESSAGES:
+        raise RequestError(400, f"input must hold 1 to {MAX_MESSAGES} items", "input")
+    return value
+
+
+def _include(value: list, info: ServerInfo) -> list:
+    if value:
+        raise RequestError(400, f"include={value!r:.80} is not supported: responses carry no extra data to include",
+                           "include")
+    return value
+
+
 def _text_field(value: dict, info: ServerInfo) -> dict:
     fmt = value.get("format")
     if set(value) - {"format", "verbosity"} or (fmt is not None and fmt != {"type": "text"}):
@@ -80,7 +93,7 @@ def _text_field(value: dict, info: ServerInfo) -> dict:
 
 RESPONSES_FIELDS = {f.name: f for f in [
     Field("model", str, "default_model"),
-    Field("input", (str, list), required=True),
+    Field("input", (str, list), required=True, check=_input),
     Field("instructions", str),
     Field("tools", list, hi=MAX_TOOLS),
     FIELDS["tool_choice"],
@@ -99,7 +112,7 @@ RESPONSES_FIELDS = {f.name: f for f in [
     Field("reasoning", dict, check=_only("reasoning", {"effort": REASONING_EFFORTS, "summary": None},
                                          "reasoning effort switches thinking on or off")),
     Field("truncation", str, "disabled", only=("disabled",), why="a prompt that does not fit is refused, not cut"),
-    Field("include", list, [], hi=0, why=""),
+    Field("include", list, [], check=_include),
     Field("stream_options", dict, {}, check=_only("stream_options", {"include_obfuscation": (False,)},
                                                   "stream events are not padded")),
     Field("background", bool, False, only=(False,), why="background responses are not supported"),
@@ -204,8 +217,6 @@ def parse_response_request(body: Any, info: ServerInfo, store: ResponseStore) ->
     conversation = [dict(m, tool_calls=list(m["tool_calls"])) if "tool_calls" in m else dict(m) for m in history]
     called = {c["id"] for m in conversation for c in m.get("tool_calls", [])}
     items = values["input"] if isinstance(values["input"], list) else [{"role": "user", "content": values["input"]}]
-    if isinstance(values["input"], list) and not items:
-        raise RequestError(400, "input must not be empty", "input")
     _extend(conversation, items, called)
     messages = conversation
     if values["instructions"]:
