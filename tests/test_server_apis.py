@@ -6,15 +6,12 @@ Most tests use ``tiny.save_scripted_pair``: without tools it answers "yo"; with 
 the random tiny qwen3 pair, whose answers are long and arbitrary.
 """
 
-import argparse
-import http.client
 import json
-import threading
 
 import pytest
-from tiny import USER, WEATHER, save_scripted_pair
+from tiny import USER, WEATHER, metric, save_scripted_pair, start_server
 
-from dflash_mlx.server import add_arguments, close, make_server
+from dflash_mlx.server import close
 from dflash_mlx.server.protocol import RequestError
 from dflash_mlx.server.responses import ResponseStore
 
@@ -27,18 +24,10 @@ FUNCTION = {"type": "function", "name": "get_weather", "description": "The weath
 QUESTION = USER[0]["content"]
 
 
-def start(*argv):
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    server = make_server(parser.parse_args(["--port", "0", *argv]))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
 @pytest.fixture(scope="module")
 def port(tmp_path_factory):
     target, draft = save_scripted_pair(tmp_path_factory.mktemp("apis"))
-    server = start("--model", target, "--draft", draft, "--block-size", "4", "--response-store-size", "4")
+    server = start_server("--model", target, "--draft", draft, "--block-size", "4", "--response-store-size", "4")
     yield server.server_address[1]
     server.shutdown()
     close(server)
@@ -232,7 +221,7 @@ def test_responses_refusals_name_the_problem(oai, fields, match):
 
 
 def test_greedy_answers_are_the_same_on_every_api(pair):
-    server = start("--model", pair[0], "--draft", pair[1], "--block-size", "4", "--max-prompt-tokens", "400")
+    server = start_server("--model", pair[0], "--draft", pair[1], "--block-size", "4", "--max-prompt-tokens", "400")
     port = server.server_address[1]
     try:
         system, question = "You answer questions.", "What is 7 + 5?"
@@ -261,12 +250,6 @@ def test_greedy_answers_are_the_same_on_every_api(pair):
 
 
 def test_metrics_count_requests_per_api(port, claude):
-    def count(api):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-        return int(next(line.split()[1] for line in text.splitlines() if line.startswith(f'dflash_api_requests_total{{api="{api}"}}')))
-
-    before = count("messages")
+    before = metric(port, 'dflash_api_requests_total{api="messages"}')
     ask(claude)
-    assert count("messages") == before + 1
+    assert metric(port, 'dflash_api_requests_total{api="messages"}') == before + 1

@@ -1,15 +1,14 @@
 """Who may call dflash-mlx serve: --api-key (or DFLASH_MLX_API_KEY) on every route but /health, in each API's
 error shape; and a first ``dflash-mlx serve`` with no --model/--draft serving the built-in pair."""
 
-import argparse
 import http.client
 import json
-import threading
 
 import pytest
+from tiny import start_server
 
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.server import add_arguments, close, make_server, resolve_api_key
+from dflash_mlx.server import close, resolve_api_key
 
 KEY = "sk-local-test-key"
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -28,17 +27,9 @@ ROUTES = [
 ]
 
 
-def serve(argv):
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    server = make_server(parser.parse_args(["--port", "0", *argv]))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
 @pytest.fixture(scope="module")
 def port(pair):
-    server = serve(["--model", pair[0], "--draft", pair[1], "--api-key", KEY])
+    server = start_server("--model", pair[0], "--draft", pair[1], "--api-key", KEY)
     yield server.server_address[1]
     server.shutdown()
     close(server)
@@ -111,7 +102,7 @@ def test_serve_without_model_flags_serves_the_built_in_pair(pair, monkeypatch):
     import dflash_mlx.default
 
     monkeypatch.setattr(dflash_mlx.default, "default_pair", lambda: tuple(pair))  # the tiny pair stands in for it
-    server = serve([])
+    server = start_server()
     try:
         status, raw, _ = call(server.server_address[1], "GET", "/v1/models")
         assert status == 200 and json.loads(raw)["data"][0]["id"] == pair[0]
@@ -119,4 +110,4 @@ def test_serve_without_model_flags_serves_the_built_in_pair(pair, monkeypatch):
         server.shutdown()
         close(server)
     with pytest.raises(DFlashError, match="pass both --model and --draft"):
-        serve(["--model", pair[0]])
+        start_server("--model", pair[0])

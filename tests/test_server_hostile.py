@@ -14,6 +14,8 @@ import threading
 import time
 
 import pytest
+import tiny
+from tiny import leave_mid_answer
 
 import dflash_mlx
 from dflash_mlx import stream_generate
@@ -663,27 +665,17 @@ def test_stored_response_routes(port):
 
 
 @pytest.mark.parametrize("path, body", [
-    (MESSAGES, {"model": "default_model", "max_tokens": 3000, "messages": ASK, "stream": True}),
+    (MESSAGES, {"model": "default_model", "max_tokens": 3000, "messages": ASK, "stream": True, "temperature": 0}),
     (RESPONSES, {"input": "talk", "max_output_tokens": 3000, "stream": True}),
-    (MESSAGES, {"model": "default_model", "max_tokens": 3000, "messages": ASK}),
+    (MESSAGES, {"model": "default_model", "max_tokens": 3000, "messages": ASK, "temperature": 0}),
 ], ids=["messages-stream", "responses-stream", "messages-whole"])
 def test_dropped_clients_cancel_their_job(port, path, body):
     """A client that leaves mid-way (streaming or not) frees the worker; the port fixture then checks the server."""
     def metric(name):
-        text = request(port, "GET", "/metrics")[1]
-        return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+        return tiny.metric(port, name)
 
     before = metric("dflash_requests_cancelled_total")
-    data = json.dumps({**body, "temperature": 0}).encode() if path == MESSAGES else json.dumps(body).encode()
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
-        if body.get("stream"):
-            received = b""
-            while b"delta" not in received:  # tokens are flowing
-                received += sock.recv(4096)
-        else:
-            while metric("dflash_requests_active") < 1:
-                time.sleep(0.05)
+    leave_mid_answer(port, path, body, body.get("stream", False))
     deadline = time.monotonic() + 30
     while metric("dflash_requests_cancelled_total") < before + 1 and time.monotonic() < deadline:
         time.sleep(0.05)

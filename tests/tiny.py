@@ -336,6 +336,53 @@ def reads_apart_from_next_forward(calls: list[list[mx.array]]) -> bool:
             and not any(any(a.ndim == 0 for a in call) and any(a.ndim == 3 for a in call) for call in calls))
 
 
+# -- servers --------------------------------------------------------------------------------------------
+
+
+def start_server(*argv: str):
+    """``dflash-mlx serve`` in this process, on a free port of 127.0.0.1 (close it with server.close)."""
+    import argparse
+    import threading
+
+    from dflash_mlx.server import add_arguments, make_server
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server = make_server(parser.parse_args(["--port", "0", *argv]))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def metric(port: int, name: str) -> float:
+    """One unlabelled value of the server's /metrics."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def leave_mid_answer(port: int, path: str, body: dict, stream: bool) -> None:
+    """Send a request on a raw socket, and close the connection once it is being answered: once a streamed
+    event arrived, or (not streaming) once the worker is generating."""
+    import socket
+    import time
+
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (path.encode(), len(data), data))
+        if stream:
+            received = b""
+            while b"data: " not in received:
+                received += sock.recv(4096)
+        else:
+            while metric(port, "dflash_requests_active") < 1:
+                time.sleep(0.05)
+
+
 # -- a scripted tool-calling pair (the server's tool, thinking and API tests) --
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
