@@ -135,7 +135,7 @@ class JobRun:
         self.app, self.job = app, job
         self.events = _Events(asyncio.get_running_loop())
         job.events = self.events  # before submit: the worker puts into this queue
-        self.gone = False
+        self.gone = self.dropped = False
         self.finished = False  # End arrived, or the reply ended and the job was stopped
         self.watcher = asyncio.create_task(self._watch(receive))
 
@@ -144,6 +144,7 @@ class JobRun:
             pass
         self.gone = True
         self.events.ready.set()
+        self._drop()  # at once, whatever the answering task is doing
 
     async def next(self, timeout: float | None = None) -> Any:
         """The next event; None when ``timeout`` passed without one; ``ClientGone`` if the client left."""
@@ -168,12 +169,32 @@ class JobRun:
         self.finished = True
         self.job.cancel()
 
-    def close(self) -> None:
-        self.watcher.cancel()
-        if not self.finished:  # the client went away, or the answer failed: stop generating for it
+    def _drop(self) -> None:
+        """The client went away, or its answer failed, before the job ended: stop generating for it (once)."""
+        if not self.finished and not self.dropped:
+            self.dropped = True
             with self.app.metrics.lock:
                 self.app.metrics.cancelled += 1
             self.job.cancel()
+
+    def close(self) -> None:
+        self.watcher.cancel()
+        self._drop()
+
+
+class _Stream(StreamingResponse):
+    """An event stream that ends its job's run however the response ends: finished, failed, or cancelled by
+    Starlette when the client leaves (maybe before the event generator even started)."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_end: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_end = on_end
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_end()
 
 
 def _sse(payload: dict | str, named: bool) -> bytes:
@@ -297,8 +318,12 @@ class Routes:
                 if isinstance(first, Response):
                     return first
                 streaming = True
-                return StreamingResponse(self._stream(run, reply, first), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+
+                def end() -> None:
+                    run.close()
+                    app.leave()
+
+                return _Stream(self._stream(run, reply, first), end)
             return await self._whole(run, reply, http.url.path)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
@@ -359,9 +384,6 @@ class Routes:
                     yield _sse(payload, named)
         except ClientGone:
             return
-        finally:
-            run.close()
-            self.app.leave()
 
     async def count_tokens(self, request: HttpRequest) -> Response:
         async def handler() -> Response:
