@@ -253,3 +253,30 @@ def test_metrics_count_requests_per_api(port, claude):
     before = metric(port, 'dflash_api_requests_total{api="messages"}')
     ask(claude)
     assert metric(port, 'dflash_api_requests_total{api="messages"}') == before + 1
+
+
+def test_context_management_clears_earlier_thinking():
+    from dflash_mlx.server.anthropic import _kept_thinking_turns, conversation
+
+    def turn(i):
+        return {"role": "assistant", "content": [{"type": "thinking", "thinking": f"t{i}", "signature": ""},
+                                                 {"type": "text", "text": f"a{i}"}]}
+
+    messages = [{"role": "user", "content": "q"}, turn(1), {"role": "user", "content": "q"}, turn(2),
+                {"role": "user", "content": "q"}, turn(3), {"role": "user", "content": "q"}]
+
+    def kept(edits):
+        kept_turns = _kept_thinking_turns({"edits": edits})
+        return [m.get("reasoning_content") for m in conversation(None, messages, kept_turns) if m["role"] == "assistant"]
+
+    assert kept([]) == ["t1", "t2", "t3"]
+    assert kept([{"type": "clear_thinking_20251015", "keep": "all"}]) == ["t1", "t2", "t3"]
+    assert kept([{"type": "clear_thinking_20251015"}]) == [None, None, "t3"]  # Anthropic's default: the last turn
+    assert kept([{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 2}}]) == [None, "t2", "t3"]
+
+
+def test_context_management_through_the_client(claude):
+    edits = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    assert ask(claude, extra_body={"context_management": edits}).content[0].text == "yo"
+    with pytest.raises(anthropic.BadRequestError, match="clear_tool_uses_20250919"):
+        ask(claude, extra_body={"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}})

@@ -589,6 +589,11 @@ MESSAGE_PROBES = [
     ("thinking-omitted", {"thinking": {"type": "adaptive", "display": "omitted"}}, 400, "invalid_request_error"),
     ("output-config", {"output_config": {"effort": "high"}}, 400, "invalid_request_error"),
     ("mcp-servers", {"mcp_servers": []}, 400, "invalid_request_error"),
+    ("context-management-tool-uses", {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, 400,
+     "invalid_request_error"),
+    ("context-management-keep-zero", {"context_management": {"edits": [
+        {"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 0}}]}}, 400, "invalid_request_error"),
+    ("context-management-not-edits", {"context_management": {"clear": True}}, 400, "invalid_request_error"),
     ("unknown-field", {"frequency_penalty": 1}, 400, "invalid_request_error"),
     ("prompt-too-long", {"messages": LONG}, 400, "invalid_request_error"),
     ("lone-surrogate", b'{"model": "default_model", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud83d"}]}',

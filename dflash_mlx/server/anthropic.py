@@ -65,6 +65,39 @@ def _thinking(value: dict, info: ServerInfo) -> dict:
     return value
 
 
+CLEAR_THINKING = "clear_thinking_20251015"
+
+
+def _context_management(value: dict, info: ServerInfo) -> dict:
+    """Context editing: the thinking-clearing edit is applied (``keep``: "all", or the last N thinking turns,
+    default 1); clearing tool uses is refused."""
+    edits = value.get("edits")
+    if set(value) - {"edits"} or not isinstance(edits, list):
+        raise RequestError(400, 'context_management must be {"edits": [...]}', "context_management")
+    for edit in edits:
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if kind != CLEAR_THINKING:
+            raise RequestError(400, f"context_management edit {kind!r} is not supported: only {CLEAR_THINKING} "
+                                    "(the client sends the context it wants)", "context_management")
+        keep = edit.get("keep", {"type": "thinking_turns", "value": 1})
+        turns = keep.get("value") if isinstance(keep, dict) and keep.get("type") == "thinking_turns" else None
+        if set(edit) - {"type", "keep"} or not (keep == "all" or (isinstance(turns, int) and not isinstance(turns, bool)
+                                                                   and turns >= 1)):
+            raise RequestError(400, f'{CLEAR_THINKING} takes keep: "all" or {{"type": "thinking_turns", "value": N}}',
+                               "context_management")
+    return value
+
+
+def _kept_thinking_turns(context: dict | None) -> int | None:
+    """How many of the latest assistant turns keep their thinking (None: all)."""
+    kept = None
+    for edit in (context or {}).get("edits", []):
+        keep = edit.get("keep", {"type": "thinking_turns", "value": 1})
+        if keep != "all":
+            kept = keep["value"] if kept is None else min(kept, keep["value"])
+    return kept
+
+
 MESSAGES_FIELDS = {f.name: f for f in [
     Field("model", str, required=True),
     Field("max_tokens", int, lo=1, required=True, check=max_tokens_check("max_tokens")),
@@ -81,14 +114,14 @@ MESSAGES_FIELDS = {f.name: f for f in [
     Field("metadata", dict),
     Field("cache_control", dict, check=_cache_control),  # prefixes are cached without being asked
     Field("service_tier", str, only=("auto", "standard_only"), why="there is one tier"),
+    Field("context_management", dict, check=_context_management),
 ]}
 COUNT_FIELDS = {name: MESSAGES_FIELDS[name] for name in ("model", "messages", "system", "tools", "tool_choice",
-                                                          "thinking", "cache_control")}
+                                                          "thinking", "cache_control", "context_management")}
 MESSAGES_UNSUPPORTED = {
     "output_config": "effort levels and structured output are not supported",
     "container": "code execution containers are not supported",
     "mcp_servers": "MCP servers are not supported: run the tools in the client",
-    "context_management": "context management is not supported: the client sends the context it wants",
 }
 BLOCK_KEYS = {  # the keys each content block may carry
     "text": {"type", "text", "cache_control", "citations"},
@@ -136,8 +169,9 @@ def _block(block: Any, where: str, kinds: set[str]) -> dict:
     return block
 
 
-def conversation(system: Any, messages: list) -> list[dict]:
-    """``system`` and Anthropic messages as the OpenAI-shaped messages a chat template takes."""
+def conversation(system: Any, messages: list, kept_thinking: int | None = None) -> list[dict]:
+    """``system`` and Anthropic messages as the OpenAI-shaped messages a chat template takes; only the latest
+    ``kept_thinking`` assistant turns keep their thinking (None: all)."""
     out = [{"role": "system", "content": _text(system, "system")}] if system else []
     called: set[str] = set()  # tool_use ids so far: a tool_result must answer one of them
     for i, m in enumerate(messages):
@@ -160,6 +194,10 @@ def conversation(system: Any, messages: list) -> list[dict]:
     if out and out[-1]["role"] == "assistant":
         raise RequestError(400, "the last message is the assistant's: continuing a prefilled answer is not supported; "
                                 "end with a user message", "messages")
+    if kept_thinking is not None:
+        turns = [m for m in out if m["role"] == "assistant"]
+        for m in turns[: max(len(turns) - kept_thinking, 0)]:
+            m.pop("reasoning_content", None)
     return out
 
 
@@ -231,7 +269,8 @@ def _prompt(values: dict, info: ServerInfo) -> tuple[list[int], list[dict] | Non
     thinking = values["thinking"]
     kwargs = {} if thinking is None else {"enable_thinking": thinking["type"] != "disabled"}
     tools = _tools(values["tools"])
-    return chat_prompt(conversation(values["system"], values["messages"]), tools, kwargs, info), tools
+    messages = conversation(values["system"], values["messages"], _kept_thinking_turns(values["context_management"]))
+    return chat_prompt(messages, tools, kwargs, info), tools
 
 
 def parse_messages(body: Any, info: ServerInfo) -> tuple[Request, bool]:
