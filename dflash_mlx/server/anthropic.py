@@ -129,6 +129,10 @@ BLOCK_KEYS = {  # the keys each content block may carry
     "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
     "thinking": {"type", "thinking", "signature"},
 }
+BLOCK_STRINGS = {  # the string fields each block needs, and whether they must be non-empty
+    "text": {"text": False}, "tool_use": {"id": True, "name": True}, "tool_result": {"tool_use_id": True},
+    "thinking": {"thinking": False},
+}
 
 
 def _text(value: Any, where: str) -> str:
@@ -156,12 +160,9 @@ def _block(block: Any, where: str, kinds: set[str]) -> dict:
         raise RequestError(400, f"{where}.citations are not supported", "messages")
     if block.get("cache_control") is not None:
         _cache_control(block["cache_control"], None)
-    string_fields = {"text": ["text"], "tool_use": ["id", "name"], "tool_result": ["tool_use_id"],
-                     "thinking": ["thinking"]}[kind]
-    for name in string_fields:
-        if not isinstance(block.get(name), str) or (name != "text" and name != "thinking" and not block[name]):
-            raise RequestError(400, f"{where}.{name} must be a {'non-empty ' if name in ('id', 'name', 'tool_use_id') else ''}string",
-                               "messages")
+    for name, non_empty in BLOCK_STRINGS[kind].items():
+        if not isinstance(block.get(name), str) or (non_empty and not block[name]):
+            raise RequestError(400, f"{where}.{name} must be a {'non-empty ' if non_empty else ''}string", "messages")
     if kind == "tool_use" and not isinstance(block.get("input"), dict):
         raise RequestError(400, f"{where}.input must be an object", "messages")
     if kind == "tool_result" and not isinstance(block.get("is_error", False), bool):

@@ -5,12 +5,18 @@ this replaced: the library parses HTTP/1.1 (h11) including chunked request
 bodies (the old transport answered them 411), keep-alive with an idle timeout,
 pipelining and HTTP/1.0 close-delimited streams; an event loop holds idle and
 slow connections without a thread each (the old transport pinned one thread per
-connection for up to two minutes); a client that goes away is seen at once
-(``http.disconnect``) instead of by polling its socket; routing with path
-parameters (``/v1/responses/{id}``) and CORS are the library's. It is what vLLM,
-SGLang and mlx-vlm serve on. What we gave up: a request line or header block
-that h11 cannot parse is answered by uvicorn's own plain-text 400 (the old
-transport answered 414/431/505 in OpenAI's JSON shape); no API client sends one.
+connection for up to two minutes, with no bound on threads); a client that goes
+away is seen at once (``http.disconnect``) instead of by polling its socket
+every 0.2 s; routing with path parameters (``/v1/responses/{id}``) and CORS are
+the library's, so three APIs cost routes, not transport code. It is what vLLM,
+SGLang and mlx-vlm serve on. What we gave up: a request h11 cannot parse (a
+garbled request line, a bad Content-Length, an HTTP/1.1 request without Host)
+gets uvicorn's own plain-text 400 and a closed connection, where the old
+transport answered 400/414/431/505 in OpenAI's JSON shape (no API client sends
+such requests); and a connection that stalls before finishing its request
+headers is held until the client closes it (it costs a socket and a few
+kilobytes, not a thread; uvicorn times out only idle keep-alive connections). A
+stalled request body is cut off after ``READ_SECONDS`` (408).
 
 Routes: OpenAI chat and text completions, Anthropic Messages (and count_tokens),
 OpenAI Responses (and GET/DELETE of a stored response), /v1/models, /health,
@@ -42,7 +48,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.concurrency import run_in_threadpool
 
@@ -99,14 +105,14 @@ def _shape(path: str) -> Callable[..., dict]:
     return anthropic.error_body if path.startswith("/v1/messages") else error_body
 
 
-def _error(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
-           headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(_shape(path)(message, status, param, code), status, headers)
-
-
-def _json(status: int, body: Any) -> Response:
+def _json(status: int, body: Any, headers: dict | None = None) -> Response:
     # As the old transport did: json.dumps' own spacing, which clients and tests compare byte for byte.
-    return Response(json.dumps(body), status, media_type="application/json")
+    return Response(json.dumps(body), status, headers, media_type="application/json")
+
+
+def _error(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict | None = None) -> Response:
+    return _json(status, _shape(path)(message, status, param, code), headers)
 
 
 class _Events(queue.Queue):
@@ -352,7 +358,7 @@ class Routes:
             event = await run.next()
             if isinstance(event, End):
                 message, status = (event.error, event.status) if event.error else ("generation ended early", 500)
-                return JSONResponse(error_body(message, status), status)
+                return _json(status, error_body(message, status))
             chunks, done = reply.feed(event.text, event.finish_reason, event.generation_tokens)
             if done:
                 run.stop()
