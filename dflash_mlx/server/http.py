@@ -34,7 +34,6 @@ import asyncio
 import hmac
 import json
 import logging
-import queue
 import socket
 import threading
 import time
@@ -48,9 +47,9 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request as HttpRequest
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import Response
 from starlette.concurrency import run_in_threadpool
+from starlette.routing import Route
 
 from ..errors import one_line
 from . import anthropic
@@ -59,6 +58,7 @@ from .protocol import RequestError, ServerInfo, decode_json, error_body
 from .reply import Reply
 from .request import parse_request
 from .responses import ResponseStore, parse_response_request
+from .streams import ClientGone, EventStream, JobRun, sse
 from .worker import Metrics, Unavailable, Worker
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -113,100 +113,6 @@ def _json(status: int, body: Any, headers: dict | None = None) -> Response:
 def _error(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
            headers: dict | None = None) -> Response:
     return _json(status, _shape(path)(message, status, param, code), headers)
-
-
-class _Events(queue.Queue):
-    """A job's event queue that wakes the event loop on every put (the worker thread puts, the loop gets)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        super().__init__()
-        self.loop, self.ready = loop, asyncio.Event()
-
-    def _put(self, item: Any) -> None:
-        super()._put(item)
-        try:
-            self.loop.call_soon_threadsafe(self.ready.set)
-        except RuntimeError:  # the loop is closed: nobody waits for this job any more
-            pass
-
-
-class ClientGone(Exception):
-    """The client closed its connection before its answer was complete."""
-
-
-class JobRun:
-    """One job on the worker, seen from the event loop: its events, and its cancellation when the client leaves."""
-
-    def __init__(self, app: App, job: Job, receive: Callable):
-        self.app, self.job = app, job
-        self.events = _Events(asyncio.get_running_loop())
-        job.events = self.events  # before submit: the worker puts into this queue
-        self.gone = self.dropped = False
-        self.finished = False  # End arrived, or the reply ended and the job was stopped
-        self.watcher = asyncio.create_task(self._watch(receive))
-
-    async def _watch(self, receive: Callable) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.gone = True
-        self.events.ready.set()
-        self._drop()  # at once, whatever the answering task is doing
-
-    async def next(self, timeout: float | None = None) -> Any:
-        """The next event; None when ``timeout`` passed without one; ``ClientGone`` if the client left."""
-        while True:
-            if self.gone:
-                raise ClientGone()
-            try:
-                event = self.events.get_nowait()
-                if isinstance(event, End):
-                    self.finished = True
-                return event
-            except queue.Empty:
-                pass
-            self.events.ready.clear()  # a put from now on sets it again (call_soon_threadsafe runs after this)
-            try:
-                await asyncio.wait_for(self.events.ready.wait(), timeout)
-            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-                return None
-
-    def stop(self) -> None:
-        """The reply is complete (a stop string may end it before the worker does): free the worker."""
-        self.finished = True
-        self.job.cancel()
-
-    def _drop(self) -> None:
-        """The client went away, or its answer failed, before the job ended: stop generating for it (once)."""
-        if not self.finished and not self.dropped:
-            self.dropped = True
-            with self.app.metrics.lock:
-                self.app.metrics.cancelled += 1
-            self.job.cancel()
-
-    def close(self) -> None:
-        self.watcher.cancel()
-        self._drop()
-
-
-class _Stream(StreamingResponse):
-    """An event stream that ends its job's run however the response ends: finished, failed, or cancelled by
-    Starlette when the client leaves (maybe before the event generator even started)."""
-
-    def __init__(self, events: AsyncIterator[bytes], on_end: Callable[[], None]):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.on_end = on_end
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_end()
-
-
-def _sse(payload: dict | str, named: bool) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload)
-    event = f"event: {payload['type']}\n" if named and isinstance(payload, dict) else ""
-    return f"{event}data: {data}\n\n".encode()
 
 
 async def _read_body(request: HttpRequest) -> bytes:
@@ -306,7 +212,7 @@ class Routes:
         raw = await self._body(http)
         request, reply = await run_in_threadpool(self._parse, api, raw)
         job = Job(request.params)
-        run = JobRun(app, job, http.receive)
+        run = JobRun(app.metrics, job, http.receive)
         try:
             app.worker.submit(job)
         except Unavailable as e:
@@ -329,7 +235,7 @@ class Routes:
                     run.close()
                     app.leave()
 
-                return _Stream(self._stream(run, reply, first), end)
+                return EventStream(self._stream(run, reply, first), end)
             return await self._whole(run, reply, http.url.path)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
@@ -370,24 +276,24 @@ class Routes:
         named = reply.named_events
         try:
             for payload in first:
-                yield _sse(payload, named)
+                yield sse(payload, named)
             while not run.finished:
                 event = await run.next(PING_SECONDS)
                 if event is None:
                     if (ping := reply.ping()) is not None:
-                        yield _sse(ping, named)
+                        yield sse(ping, named)
                     continue
                 if isinstance(event, End):  # the job ended before its reply did
                     message, status = (event.error, event.status) if event.error else ("generation ended early", 500)
                     for payload in reply.failure(message, status):
-                        yield _sse(payload, named)
+                        yield sse(payload, named)
                     return
                 chunks, done = reply.feed(event.text, event.finish_reason, event.generation_tokens)
                 if done:
                     run.stop()
                     chunks += reply.closing(run.job.cached_tokens)
                 for payload in chunks:
-                    yield _sse(payload, named)
+                    yield sse(payload, named)
         except ClientGone:
             return
 
