@@ -168,7 +168,7 @@ class Routes:
         lines += [f'dflash_api_requests_total{{api="{api}"}} {n}' for api, n in app.requests.items()]
         return Response(text + "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    async def _body(self, request: HttpRequest) -> Any:
+    async def _body(self, request: HttpRequest) -> bytes:
         raw = await _read_body(request)  # first, so that an error answer leaves the connection usable
         if not raw:
             raise RequestError(400, "the request body is empty: send a JSON object")
