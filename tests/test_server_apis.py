@@ -25,8 +25,13 @@ QUESTION = USER[0]["content"]
 
 
 @pytest.fixture(scope="module")
-def port(tmp_path_factory):
-    target, draft = save_scripted_pair(tmp_path_factory.mktemp("apis"))
+def scripted(tmp_path_factory):
+    return save_scripted_pair(tmp_path_factory.mktemp("apis"))
+
+
+@pytest.fixture(scope="module")
+def port(scripted):
+    target, draft = scripted
     server = start_server("--model", target, "--draft", draft, "--block-size", "4", "--response-store-size", "4")
     yield server.server_address[1]
     server.shutdown()
@@ -280,3 +285,48 @@ def test_context_management_through_the_client(claude):
     assert ask(claude, extra_body={"context_management": edits}).content[0].text == "yo"
     with pytest.raises(anthropic.BadRequestError, match="clear_tool_uses_20250919"):
         ask(claude, extra_body={"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}})
+
+
+def test_messages_stream_pings_while_the_prompt_is_prefilled(scripted, monkeypatch):
+    """Nothing from the worker for a while (a long prefill): the stream pings, then goes on."""
+    import asyncio
+    import threading
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from dflash_mlx.server import http
+    from dflash_mlx.server.anthropic import MessageReply
+    from dflash_mlx.server.jobs import End, Job
+    from dflash_mlx.server.request import GenerationParams, Request
+    from dflash_mlx.server.streams import JobRun
+    from dflash_mlx.server.worker import Metrics
+
+    monkeypatch.setattr(http, "PING_SECONDS", 0.05)
+    params = GenerationParams([1, 2], 4)
+    reply = MessageReply(Request("chat", "m", True, False, [], None, "normal", params),
+                         load_tokenizer(Path(scripted[0])), thinking=False)
+
+    async def stream():
+        async def receive():  # a client that stays
+            await asyncio.Event().wait()
+
+        job = Job(params)
+        run = JobRun(Metrics(), job, receive)
+
+        def generate():  # the first token after 0.3 s
+            job.events.put(SimpleNamespace(text="yo", finish_reason="stop", generation_tokens=3))
+            job.events.put(End())
+
+        threading.Timer(0.3, generate).start()
+        sent = [chunk async for chunk in http.Routes(None)._stream(run, reply, reply.opening())]
+        run.close()
+        return b"".join(sent).decode()
+
+    text = asyncio.run(stream())
+    events = [line[len("event: "):] for line in text.splitlines() if line.startswith("event: ")]
+    first_block = events.index("content_block_start")
+    assert events[:2] == ["message_start", "ping"] and events[2:first_block].count("ping") >= 2
+    assert events[first_block:] == ["content_block_start", "content_block_delta", "content_block_stop",
+                                    "message_delta", "message_stop"]
