@@ -685,3 +685,15 @@ def test_dropped_clients_cancel_their_job(port, path, body):
     while metric("dflash_requests_cancelled_total") < before + 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metric("dflash_requests_cancelled_total") == before + 1
+
+
+@pytest.mark.parametrize("data", [b"", b"GET /health HTTP/1.1\r\nHo"], ids=["nothing", "half-a-head"])
+def test_stalled_connections_are_closed(port, data, monkeypatch):
+    """A client that connects, or starts a request head, and then stalls loses its connection (slowloris)."""
+    from dflash_mlx.server import http as transport
+
+    monkeypatch.setattr(transport, "READ_SECONDS", 0.5)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        tic = time.monotonic()
+        assert sock.recv(100) == b"" and time.monotonic() - tic < 5  # closed by the server, without an answer

@@ -13,10 +13,8 @@ SGLang and mlx-vlm serve on. What we gave up: a request h11 cannot parse (a
 garbled request line, a bad Content-Length, an HTTP/1.1 request without Host)
 gets uvicorn's own plain-text 400 and a closed connection, where the old
 transport answered 400/414/431/505 in OpenAI's JSON shape (no API client sends
-such requests); and a connection that stalls before finishing its request
-headers is held until the client closes it (it costs a socket and a few
-kilobytes, not a thread; uvicorn times out only idle keep-alive connections). A
-stalled request body is cut off after ``READ_SECONDS`` (408).
+such requests). A client that stalls is cut off after ``READ_SECONDS``: mid-body
+with a 408, mid-head by closing its connection (``_HeadDeadline``).
 
 Routes: OpenAI chat and text completions, Anthropic Messages (and count_tokens),
 OpenAI Responses (and GET/DELETE of a stored response), /v1/models, /health,
@@ -42,6 +40,7 @@ from typing import Any, AsyncIterator, Callable
 
 import anyio
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -379,6 +378,27 @@ def asgi(app: App) -> Starlette:
     return Starlette(routes=table, middleware=middleware, exception_handlers={HTTPException: http_error})
 
 
+class _HeadDeadline(H11Protocol):
+    """uvicorn's h11 protocol, with a bound on the time a client takes to send a request head: a connection
+    that has not begun a request within READ_SECONDS of connecting, or of its last answer, is closed (uvicorn
+    times out only idle keep-alive connections: one stalled mid-head would hold its socket forever)."""
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def _arm(self) -> None:
+        self.loop.call_later(READ_SECONDS, self._expire, self.cycle)
+
+    def _expire(self, cycle: Any) -> None:
+        if self.cycle is cycle and (cycle is None or cycle.response_complete) and not self.transport.is_closing():
+            self.transport.close()
+
+
 class Server:
     """A bound socket and the uvicorn server that serves ``app`` on it.
 
@@ -396,7 +416,7 @@ class Server:
         self.server_address = self.socket.getsockname()
         self.app = app
         config = uvicorn.Config(
-            asgi(app), http="h11", lifespan="off", log_config=None, timeout_keep_alive=KEEP_ALIVE_SECONDS,
+            asgi(app), http=_HeadDeadline, lifespan="off", log_config=None, timeout_keep_alive=KEEP_ALIVE_SECONDS,
             timeout_graceful_shutdown=int(DRAIN_SECONDS), server_header=False, headers=[("Server", "dflash-mlx")],
         )
         self.uvicorn = uvicorn.Server(config)
