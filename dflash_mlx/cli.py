@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "generate": ("dflash_mlx.cli", "Generate text with DFlash speculative decoding"),
     "train": ("dflash_mlx.train", "Train a DFlash drafter for an mlx_lm target"),
     "benchmark": ("dflash_mlx.benchmark", "Compare mlx_lm decoding and DFlash on benchmark prompts"),
-    "serve": ("dflash_mlx.server", "OpenAI-compatible HTTP server with DFlash speculative decoding"),
+    "serve": ("dflash_mlx.server", "HTTP server for OpenAI and Anthropic clients with DFlash speculative decoding"),
     "convert": ("dflash_mlx.convert", "Convert DFlash drafters, HF-layout targets and GGUF files to MLX (optionally quantized)"),
 }
 
