@@ -185,8 +185,8 @@ class Drift:
     size's ratio. A size never used borrows the ratio of the nearest size used where that
     is below 1 (the whole curve runs faster than calibrated) and counts as calibrated
     otherwise: a size that looks cheaper than it is gets tried and corrected, while one
-    that looked dearer would never be tried (8 rows whose blocks of 2 cost 1.35x the
-    calibration lent that to plain steps and kept drafting where plain steps were faster)."""
+    that looked dearer would never be tried (a dear block size lending its ratio to plain
+    steps kept a batch drafting where plain steps were faster)."""
 
     def __init__(self, decay: float):
         self.decay = decay

@@ -219,8 +219,8 @@ class BlockPolicy:
     largest copy-only block (default: ``COPY_BLOCK_SIZE`` or the drafted maximum if larger).
     timed: multi-row steps' observed times rescale their calibrated cost (``Drift``): the
     calibration of several rows is the noisiest, and per-row work (picks, copies, rollback) is not in
-    it. Single rows stay untimed: there timing noise cost more than it corrected (HumanEval 1.20x
-    against 1.36x untimed, benchmarks/results/README.md).
+    it. Single rows stay untimed: there timing noise cost more than it corrected
+    (benchmarks/results/README.md).
     """
 
     def __init__(self, max_block_size: int, costs: Costs | None = None, *, prior: float = 0.6, decay: float = 0.8,
