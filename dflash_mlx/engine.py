@@ -514,7 +514,7 @@ class Engine:
             forward = tree_verify.verify(self.target, self.cache, proposed.tree)
             picks = tree.target_tokens(rules, forward.logits, proposed.tree)
             logprobs = [_log_softmax(forward.logits[i]) if r.logprobs else None for i, r in enumerate(rows)]
-            mx.eval(picks, [x for x in (proposed.drafted, *logprobs) if x is not None])
+            mx.eval(picks, [] if proposed.drafted is None else proposed.drafted)
             walk = tree.walk(proposed.tree, picks)
             hidden = tree_verify.commit(self.target, self.cache, forward, walk.paths)
             return Verified(walk.committed(proposed.tree), walk.accepted, hidden,
@@ -530,7 +530,8 @@ class Engine:
             tokens, n = rules[i].verify(row_logits, block[i, 1:], proposed.qs[i], r.subkey())
             results.append((tokens, n, _log_softmax(row_logits) if r.logprobs else None))
         tokens, accepted, logprobs = zip(*results)
-        outputs = (tokens, accepted, [x for x in (*logprobs, proposed.drafted, *proposed.from_copy) if x is not None])
+        # Log-probabilities stay lazy: computed only for a caller who reads them.
+        outputs = (tokens, accepted, [x for x in (proposed.drafted, *proposed.from_copy) if x is not None])
         if proposed.width == 1 and not (self.pending and R < self.max_rows) and self.policy.expects_plain(rows):
             # Evaluated apart: in one evaluation with the next forward, reading the tokens would wait for it.
             mx.async_eval(outputs)

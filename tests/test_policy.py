@@ -148,7 +148,7 @@ def test_context_cache_keeps_start_and_recent_rows():
         cache.trim(4)
         pos += n
         stored = cache.keys[0, 0, : cache.lengths[0], 0].tolist()
-        assert cache.positions == [pos] and cache.offset.tolist() == [pos]
+        assert cache.positions == [pos] and cache.offset == pos
         assert stored == [0, 1] + list(range(max(2, pos - 5), pos))
     # A shorter shared prefix on the next turn: the rows before it.
     taken = cache.take(0, pos - 3)
