@@ -266,10 +266,3 @@ def make_strategy(params: SamplingParams, sampler: Sampler | None, ops: KernelOp
     if params.temp == 0:
         return Greedy(ops)
     return Coupled(params, ops, *coupled) if coupled else Rejection(params, ops)
-
-
-def token_logprobs(logits: mx.array, tokens: mx.array) -> mx.array:
-    """log p of each row's token under that row's (processed) distribution."""
-    logits = logits.reshape(-1, logits.shape[-1])
-    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return mx.take_along_axis(lp, tokens.reshape(-1, 1), axis=-1)[:, 0]

@@ -101,12 +101,6 @@ class SpeculativeStats:
         return self.block_size > 1
 
     @property
-    def plain_fraction(self) -> float:
-        """Share of steps decoded without a draft (the adaptive fallback)."""
-        b = self.block_sizes
-        return sum(1 for x in b if x == 1) / len(b) if b else 0.0
-
-    @property
     def tau(self) -> float:
         n = self.acceptance_lengths
         return sum(n) / len(n) if n else 0.0

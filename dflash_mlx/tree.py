@@ -16,7 +16,7 @@ drafter were calibrated), and a max-heap pops candidates in score order, each po
 sibling and its first child, until the node budget is spent. Since no candidate scores above its
 parent or its better-ranked sibling, the pops are the budget's best-scoring candidates and form a
 prefix-closed tree: the one maximising the expected accepted length under the surrogate. A chain
-(``chain``: today's block) is a tree with one branch, so one verify and commit path serves both.
+(a block of proposals) is a tree with one branch.
 
 Rows of a batch hold different numbers of nodes; all are padded to a common width ``N``. A padding
 node has no parent: no real node sees it (``visibility``), the walk never reaches it, and its
@@ -94,14 +94,6 @@ class DraftTree:
         return batches
 
 
-def ancestry(parents: np.ndarray, node: int) -> list[int]:
-    """Node indices from the root down to ``node``."""
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(int(parents[path[-1]]))
-    return path[::-1]
-
-
 def _assemble(rows: list[list[tuple]]) -> DraftTree:
     """A DraftTree from each row's nodes (token, parent, depth, rank, copied[, score]), padded."""
     R, N = len(rows), max(map(len, rows))
@@ -113,20 +105,6 @@ def _assemble(rows: list[list[tuple]]) -> DraftTree:
             tokens[r, i], parents[r, i], depths[r, i], ranks[r, i], copied[r, i] = token, parent, depth, rank, copy
             scores[r, i] = score[0] if score else 0.0
     return DraftTree(tokens, parents, depths, ranks, copied, np.array([len(n) for n in rows]), scores)
-
-
-def chain(roots: Sequence[int], proposals: Sequence[Sequence[int]],
-          from_copy: Sequence[Sequence[bool]] | None = None) -> DraftTree:
-    """Today's block as a tree: per row the root and its proposals, each the child of the one
-    before. Rows may hold different numbers of proposals. ``from_copy`` marks proposals taken
-    from a copy (``copying.merge``); the others are the drafter's top choices (rank 0)."""
-    rows = []
-    for r, (root, tokens) in enumerate(zip(roots, proposals)):
-        copies = from_copy[r] if from_copy is not None else [False] * len(tokens)
-        rows.append([(int(root), -1, 0, NOT_DRAFTED, False)]
-                    + [(int(t), i, i + 1, NOT_DRAFTED if c else 0, bool(c))
-                       for i, (t, c) in enumerate(zip(tokens, copies))])
-    return _assemble(rows)
 
 
 def candidates(draft_logits: mx.array, width: int, columns: mx.array | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -199,7 +199,7 @@ def test_adaptive_greedy_equals_mlx_lm(setup, drafter, table):
     assert out == ref[: len(out)]
     assert stats.adaptive and len(stats.block_sizes) == len(stats.acceptance_lengths)
     if table == "steep" and drafter == "random":
-        assert stats.plain_fraction > 0.5  # speculation does not pay: mostly plain decoding
+        assert stats.block_sizes.count(1) > 0.5 * len(stats.block_sizes)  # speculation does not pay: mostly plain
     if table == "flat" and drafter == "oracle":
         assert stats.speculative and stats.tau > 3
 
