@@ -11,8 +11,10 @@ calibration. Built-in pair, greedy, the three benchmark datasets. For every prom
 once, in an order rotated from prompt to prompt, so a busy spell of this shared machine falls on
 all of them; every output is checked against mlx_lm's. Systems: ``previous`` (its
 ``stream_generate`` at the previous CLI default, block size auto), ``this`` (the defaults: block
-size auto, draft trees auto), ``this:chain`` (``tree_budget=0``), ``this:B`` (a fixed block B).
-Reported per dataset: tokens/s, speedup over mlx_lm, tau, and this over previous.
+size auto, draft trees auto), ``this:chain`` (``tree_budget=0``), ``this:tN`` (trees of N
+proposals), ``this:B`` (a fixed block B). Reported per dataset: tokens/s, speedup over mlx_lm, tau
+split into the target's token, accepted drafts and accepted copies per step, tree steps, and this
+over previous.
 """
 
 from __future__ import annotations
@@ -49,10 +51,15 @@ def systems(previous, names: list[str], pair: tuple[str, str]) -> dict:
                                                                             block_size="auto"))
     for name in names:
         _, _, variant = name.partition(":")
-        kwargs = {"tree_budget": 0} if variant == "chain" else {"block_size": int(variant)} if variant else {}
-        out[name] = lambda prompt, n, kwargs=kwargs: _timed(dflash_mlx.stream_generate(
-            model, tokenizer, prompt, n, block_size=kwargs.get("block_size", "auto"),
-            tree_budget=kwargs.get("tree_budget", "auto")))
+        kwargs = {"block_size": "auto", "tree_budget": "auto"}
+        if variant == "chain":
+            kwargs["tree_budget"] = 0
+        elif variant.startswith("t"):
+            kwargs["tree_budget"] = int(variant[1:])
+        elif variant:
+            kwargs["block_size"] = int(variant)
+        out[name] = lambda prompt, n, kwargs=kwargs: _timed(dflash_mlx.stream_generate(model, tokenizer, prompt, n,
+                                                                                       **kwargs))
     return out, tokenizer
 
 
@@ -70,7 +77,8 @@ def main() -> None:
     names = list(runners)
     results = {}
     for dataset in args.dataset:
-        totals = {n: {"tokens": 0, "seconds": 0.0, "steps": 0, "committed": 0, "tree_steps": 0} for n in names}
+        totals = {n: {"tokens": 0, "seconds": 0.0, "steps": 0, "committed": 0, "drafted": 0, "copied": 0,
+                      "tree_steps": 0} for n in names}
         for i, text in enumerate(load_dataset(dataset, args.num_prompts)):
             prompt, outputs = _chat(tokenizer, text), {}
             for name in names[i % len(names):] + names[: i % len(names)]:
@@ -81,6 +89,8 @@ def main() -> None:
                 if last is not None:
                     t["steps"] += len(last.stats.acceptance_lengths)
                     t["committed"] += sum(last.stats.acceptance_lengths)
+                    t["drafted"] += last.stats.drafted
+                    t["copied"] += last.stats.copied
                     t["tree_steps"] += getattr(last.stats, "tree_steps", 0)
                 outputs[name] = run.tokens
             assert all(o == outputs["mlx_lm"] for o in outputs.values()), f"{dataset} prompt {i}: outputs differ"
@@ -90,8 +100,10 @@ def main() -> None:
             if name == "mlx_lm":
                 continue
             tps = t["tokens"] / t["seconds"]
-            row[name] = {"tps": round(tps, 2), "speedup": round(tps / base, 3),
-                         "tau": round(t["committed"] / max(t["steps"], 1), 3), "tree_steps": t["tree_steps"]}
+            steps = max(t["steps"], 1)
+            row[name] = {"tps": round(tps, 2), "speedup": round(tps / base, 3), "tau": round(t["committed"] / steps, 3),
+                         "drafted": round(t["drafted"] / steps, 3), "copied": round(t["copied"] / steps, 3),
+                         "tree_steps": t["tree_steps"], "steps": t["steps"]}
         if "previous" in row:
             for name in args.system:
                 row[name]["over_previous"] = round(row[name]["tps"] / row["previous"]["tps"], 3)

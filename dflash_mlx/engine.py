@@ -39,11 +39,10 @@ from mlx_lm.generate import StopSequences
 from . import kernels, tree, tree_verify
 from .cache.prompt import PromptCache
 from .copying import Copy, CopyIndex, merge
-from .costs import costs
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
 from .models import Drafter
-from .policy import Acceptance, BlockPolicy, Plan
+from .policy import Acceptance, BlockPolicy, Plan, make_policy
 from .sampling import Sampler, SamplingParams, Strategy, make_strategy, random_seed
 from .stats import EngineStats, SpeculativeStats, Step
 
@@ -689,18 +688,3 @@ class _RowPicks:
 def _log_softmax(logits: mx.array) -> mx.array:
     logits = logits.astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def make_policy(model: DFlashModel, block_size: int | str | None = None, use_metal: bool | None = None,
-                **kwargs) -> BlockPolicy:
-    """The block policy of ``block_size``: an int (fixed), ``"auto"`` (adaptive; calibrates the pair
-    on first use, a second or so on small models) or None (the drafter's block size, fixed);
-    keyword arguments go to ``BlockPolicy``."""
-    if block_size == "auto":
-        return BlockPolicy(model.block_size, costs(model, use_metal), **kwargs)
-    block_size = model.block_size if block_size is None else block_size
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise DFlashError(f"block size {block_size!r} is not an integer or 'auto'")
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise DFlashError(f"block size {block_size} is out of range: use 1..{MAX_BLOCK_SIZE} or 'auto'")
-    return BlockPolicy(block_size, **kwargs)

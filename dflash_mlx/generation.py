@@ -119,7 +119,7 @@ def stream_generate(
     that row's own token history. ``stop_tokens``: more stop token ids, or sequences of ids.
 
     ``block_size="auto"`` picks each step's block (up to the drafter's) from the measured cost and
-    the running acceptance (``policy.py``); a ``BlockPolicy`` (``engine.make_policy``) tunes it.
+    the running acceptance (``policy.py``); a ``BlockPolicy`` (``policy.make_policy``) tunes it.
     ``copy_proposals`` (on by default) lets tokens copied from earlier in the prompt or the output
     stand in for, or merge with, the drafter's proposals (``copying.py``). ``tree_budget``: the
     proposals of a draft tree verified in one target forward (``tree.py``: the drafter's likeliest

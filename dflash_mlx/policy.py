@@ -24,7 +24,9 @@ from typing import Protocol
 import numpy as np
 
 from .copying import Copy, common_run
-from .costs import COPY_BLOCK_SIZE, Costs, Drift
+from .costs import COPY_BLOCK_SIZE, Costs, Drift, costs
+from .errors import DFlashError
+from .model import MAX_BLOCK_SIZE, DFlashModel
 from .tree import DraftTree
 
 # Copy runs are told apart by how much context they matched: (shortest match, ...) of each class.
@@ -334,3 +336,18 @@ class BlockPolicy:
             calibrated = self.costs.ready(R).step_seconds(R, plan.block_size, plan.draft,
                                                           sum(r.context for r in rows) / R)
             self.drift.observe(plan.block_size, seconds, calibrated, ahead, steady)
+
+
+def make_policy(model: DFlashModel, block_size: int | str | None = None, use_metal: bool | None = None,
+                **kwargs) -> BlockPolicy:
+    """The block policy of ``block_size``: an int (fixed), ``"auto"`` (adaptive; calibrates the pair
+    on first use, a second or so on small models) or None (the drafter's block size, fixed);
+    keyword arguments go to ``BlockPolicy``."""
+    if block_size == "auto":
+        return BlockPolicy(model.block_size, costs(model, use_metal), **kwargs)
+    block_size = model.block_size if block_size is None else block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise DFlashError(f"block size {block_size!r} is not an integer or 'auto'")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise DFlashError(f"block size {block_size} is out of range: use 1..{MAX_BLOCK_SIZE} or 'auto'")
+    return BlockPolicy(block_size, **kwargs)

@@ -9,8 +9,8 @@ from tiny import OracleDrafter, PolicyRow, ScriptedPolicy
 import dflash_mlx
 from dflash_mlx import DFlashModel, Engine, PromptCache, stream_generate
 from dflash_mlx.cache.context import ContextCache
-from dflash_mlx.costs import SHORT_CONTEXT, Costs, RowCosts, StepCosts, calibrate, costs
-from dflash_mlx.engine import make_policy
+from dflash_mlx.costs import Costs, RowCosts, StepCosts, calibrate, costs
+from dflash_mlx.policy import make_policy
 from dflash_mlx.policy import BlockPolicy
 
 # Step cost in units of one plain decoding step, one row.

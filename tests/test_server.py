@@ -3,7 +3,6 @@
 import argparse
 import http.client
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor

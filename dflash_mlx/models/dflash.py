@@ -15,7 +15,6 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
