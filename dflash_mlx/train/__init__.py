@@ -36,7 +36,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..copying import corpus_index
-from .data import cached_hidden, draft_vocabulary, generate_responses, load_prompts, make_batch, sequences
+from .data import cached_hidden, draft_vocabulary, generate_responses, load_prompts, make_batch, prompt_ids, sequences
 from ..models import Attention, Drafter, DrafterArgs, default_target_layer_ids, load_drafter, save_drafter
 from ..errors import DFlashError
 from ..model import check_pair, load_target
@@ -227,7 +227,8 @@ def default_mask_token(tokenizer) -> int:
     return 0
 
 
-def evaluate_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[str], max_tokens: int, progress=None) -> dict:
+def evaluate_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[str | list[dict]], max_tokens: int,
+                 progress=None, draft_window: tuple[int, int] | None = None) -> dict:
     """Real greedy DFlash generations on held-out prompts: tau = tokens / steps."""
     from ..generation import stream_generate
     from ..model import DFlashModel
@@ -235,8 +236,7 @@ def evaluate_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[str]
     model = DFlashModel(target, drafter)
     lengths: list[int] = []
     for prompt in prompts:
-        if tokenizer.chat_template is not None:
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        prompt = prompt_ids(tokenizer, prompt)
         response = None
         for response in stream_generate(model, tokenizer, prompt, max_tokens):
             pass
