@@ -1,11 +1,10 @@
 """Where our prefill's time goes, against mlx_lm's, on long prompts (issue 31, part 1).
 
 For each prompt length, interleaved in one process (the order alternates per round), best of
-``--repeats`` rounds (noise on a shared machine only ever slows a run down):
+``--repeats`` rounds (noise on a shared machine only ever slows a run down). The end-to-end
+comparison (time to the first token of ``dflash_mlx.stream_generate`` and ``mlx_lm.stream_generate``)
+is ``bench_long_context.py``'s prefill section; this script times the parts:
 
-- ``mlx_lm``: ``mlx_lm.stream_generate``'s time to its first token (its prompt time);
-- ``ours``: ``dflash_mlx.stream_generate``'s time to its first token (``Target.prefill``, the copy
-  index over the prompt, the first token);
 - ``target_taps``: ``Target.prefill`` alone (chunked forward with the hidden-state taps, the
   concatenation of the tapped rows, the last row's logits);
 - ``target_plain``: the same chunked forward without taps, as mlx_lm runs it (its loop, rebuilt here
@@ -14,7 +13,7 @@ For each prompt length, interleaved in one process (the order alternates per rou
 - ``draft_all``: the first draft after the prompt as it runs today: the drafter's fc, hidden_norm and
   every layer's k/v projections over all P prompt rows, then one block of 8;
 - ``draft_window``: the same first draft given only the ``keep`` + ``recent`` rows a window keeps;
-- ``first_step``: ours' time from its first token to its second (the first draft, unbounded).
+- ``copy_index``: the copy-proposal index over the prompt (built before the first token).
 
     python benchmarks/bench_prefill.py --lengths 1024 2048 4096 7936 --output benchmarks/results/prefill_breakdown.json
 """
@@ -31,13 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dflash_mlx  # noqa: E402  (loads OpenBLAS before mlx.core)
 import mlx.core as mx  # noqa: E402
-import mlx_lm  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from bench_long_context import build_prompts  # noqa: E402
 from dflash_mlx import kernels  # noqa: E402
 from dflash_mlx.default import default_pair  # noqa: E402
-from dflash_mlx.generation import stream_generate  # noqa: E402
+from dflash_mlx.copying import CopyIndex  # noqa: E402
 from dflash_mlx.sampling import SamplingParams, make_strategy  # noqa: E402
 
 
@@ -45,20 +43,6 @@ def timed(fn) -> float:
     tic = time.perf_counter()
     fn()
     return time.perf_counter() - tic
-
-
-def mlx_lm_prompt(model, tokenizer, ids):
-    next(mlx_lm.stream_generate(model.target.model, tokenizer, ids, max_tokens=1))
-
-
-def ours_prompt(model, tokenizer, ids):
-    next(stream_generate(model, tokenizer, ids, 2, block_size=8))
-
-
-def ours_first_step(model, tokenizer, ids) -> float:
-    responses = stream_generate(model, tokenizer, ids, 3, block_size=8, copy_proposals=False)
-    next(responses)
-    return timed(lambda: next(responses))
 
 
 def target_taps(model, ids, step):
@@ -123,25 +107,20 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for length, ids in prompts.items():
         best: dict[str, float] = {}
-        _, hidden = prompt_hidden(model, ids, args.step)
-        pieces, _ = prompt_hidden(model, ids, args.step)
+        pieces, hidden = prompt_hidden(model, ids, args.step)
         probes = {
-            "mlx_lm": lambda: mlx_lm_prompt(model, tokenizer, ids),
-            "ours": lambda: ours_prompt(model, tokenizer, ids),
             "target_taps": lambda: target_taps(model, ids, args.step),
             "target_plain": lambda: target_plain(model, ids, args.step),
             "concat": lambda: mx.eval(mx.concatenate([mx.concatenate(p, axis=-1) for p in pieces], axis=1)),
             "draft_all": lambda: first_draft(model, hidden, None),
             "draft_window": lambda: first_draft(model, hidden, window),
+            "copy_index": lambda: CopyIndex(ids, model.drafter.corpus),
         }
         for r in range(args.repeats):
             names = list(probes) if r % 2 == 0 else list(reversed(probes))
             for name in names:
                 best[name] = min(best.get(name, float("inf")), timed(probes[name]))
-            step = ours_first_step(model, tokenizer, ids)
-            best["first_step"] = min(best.get("first_step", float("inf")), step)
         row = {"tokens": len(ids), **{k: round(v, 4) for k, v in best.items()}}
-        row["prefill_ratio"] = round(best["mlx_lm"] / best["ours"], 3)  # > 1: ours faster
         row["taps_over_plain"] = round(best["target_taps"] / best["target_plain"], 3)
         rows.append(row)
         print(json.dumps(row), flush=True)

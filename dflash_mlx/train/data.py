@@ -399,14 +399,19 @@ def make_batch(
     rng: np.random.Generator,
     num_anchors: int,
     block_size: int,
-) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
-    """Context (S,T,kH), block tokens (S,N,B), anchors (S,N), labels (S,N,B-1), label mask."""
+    window: tuple[int, int] | None = None,
+) -> tuple[mx.array, ...]:
+    """Context (S,C,kH), its tail start (S,), block tokens (S,N,B), anchors (S,N), labels (S,N,B-1),
+    label mask (see ``train.training_hidden``). With a ``window`` the context holds only the rows
+    some block sees: the first keep, then from the first anchor's window to the last anchor, so a
+    long prompt costs its window, not its length."""
     S, B = len(idx), block_size
-    T = max(len(seqs[i][0]) for i in idx)
     anchors = np.zeros((S, num_anchors), np.int32)
     valid_anchor = np.zeros((S, num_anchors), bool)
     labels = np.zeros((S, num_anchors, B - 1), np.int32)
     valid = np.zeros((S, num_anchors, B - 1), bool)
+    keep = window[0] if window is not None else 0
+    spans = []  # (tail start, tail end) of each sequence's context rows
     for row, i in enumerate(idx):
         tokens, answer = seqs[i]
         # Anchors are answer tokens with at least one token after them, as at inference.
@@ -418,9 +423,20 @@ def make_batch(
         for j, a in enumerate(chosen):
             labels[row, j] = padded[a + 1 : a + B]
             valid[row, j] = np.arange(a + 1, a + B) < len(tokens)
-    context = mx.stack([mx.pad(hidden[i], [(0, T - hidden[i].shape[0]), (0, 0)]) for i in idx]).astype(mx.float32)
+        spans.append((0, len(tokens)) if window is None else
+                     (max(keep, int(chosen[0]) - window[1]), max(keep, int(chosen[-1]))))
+    width = max(end - start for start, end in spans)
+
+    def rows(i, start, end):
+        h = mx.concatenate([hidden[i][:keep], hidden[i][start:end]]) if keep else hidden[i][start:end]
+        return mx.pad(h, [(0, keep + width - h.shape[0]), (0, 0)])
+
+    context = mx.stack([rows(i, *span) for i, span in zip(idx, spans)]).astype(mx.float32)
+    tail_start = mx.array([start for start, _ in spans], mx.int32)
+    T = max(len(seqs[i][0]) for i in idx)
     first = np.take_along_axis(np.stack([np.pad(seqs[i][0], (0, T - len(seqs[i][0]))) for i in idx]), anchors, 1)
-    return context, mx.array(first), mx.array(anchors), mx.array(labels), mx.array(valid & valid_anchor[..., None])
+    return (context, tail_start, mx.array(first), mx.array(anchors), mx.array(labels),
+            mx.array(valid & valid_anchor[..., None]))
 
 
 def draft_vocabulary(seqs: list[tuple[np.ndarray, int]], size: int, vocab_size: int) -> mx.array:
