@@ -12,7 +12,8 @@ Sections (``--sections``), all greedy, in one process:
 
 - ``prefill``: time to the first token, ``dflash_mlx.stream_generate`` against
   ``mlx_lm.stream_generate`` on the same target, interleaved (the order alternates per round),
-  best of ``--repeats``; prompt tokens/s of each and their ratio.
+  best of ``--repeats``; prompt tokens/s of each and their ratio, by the wall clock and by this
+  process's CPU time (steadier on a shared machine; run with OPENBLAS_NUM_THREADS=1).
 - ``decode``: decode tokens/s (first token to last, as ``dflash-mlx benchmark`` counts) of plain
   mlx_lm and of DFlash at block auto with and without the drafter window, tau split into the
   target's token, accepted drafted tokens and accepted copies per step; every DFlash run's tokens
@@ -132,26 +133,30 @@ class PrefilledTarget:
         del self.target.prefill  # the instance attribute: the method shows through again
 
 
-def first_token_seconds(responses) -> float:
-    tic = time.perf_counter()
+def first_token_seconds(responses) -> tuple[float, float]:
+    """(wall, CPU) seconds to the first response; CPU time counts only while this process runs,
+    the steadier measure on a shared machine (with OPENBLAS_NUM_THREADS=1 no thread spins)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     next(responses)
-    return time.perf_counter() - tic
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def prefill_section(model, tokenizer, prompts, repeats) -> list[dict]:
     rows = []
     for p in prompts:
-        ids, best = p["ids"], {"ours": float("inf"), "mlx_lm": float("inf")}
+        ids, best = p["ids"], {}
         runs = {
             "ours": lambda: first_token_seconds(stream_generate(model, tokenizer, ids, 2)),
             "mlx_lm": lambda: first_token_seconds(mlx_lm.stream_generate(model.target.model, tokenizer, ids, max_tokens=2)),
         }
         for r in range(repeats):
             for name in (("ours", "mlx_lm") if r % 2 == 0 else ("mlx_lm", "ours")):
-                best[name] = min(best[name], runs[name]())
-        row = {"prompt": p["name"], "kind": p["kind"], "tokens": len(ids),
-               "ours_tps": round(len(ids) / best["ours"], 1), "mlx_lm_tps": round(len(ids) / best["mlx_lm"], 1)}
-        row["ratio"] = round(row["ours_tps"] / row["mlx_lm_tps"], 3)
+                for clock, seconds in zip(("wall", "cpu"), runs[name]()):
+                    best[name, clock] = min(best.get((name, clock), float("inf")), seconds)
+        row = {"prompt": p["name"], "kind": p["kind"], "tokens": len(ids)}
+        for clock in ("wall", "cpu"):
+            ours, theirs = len(ids) / best["ours", clock], len(ids) / best["mlx_lm", clock]
+            row[clock] = {"ours_tps": round(ours, 1), "mlx_lm_tps": round(theirs, 1), "ratio": round(ours / theirs, 3)}
         rows.append(row)
         print("prefill", json.dumps(row), flush=True)
     return rows
