@@ -126,8 +126,7 @@ def training_hidden(
     if any(layer.self_attn.sliding_window for layer in drafter.layers):
         raise DFlashError("training drafters with sliding-window layers is not supported: drop layer_types")
     S, _, B, _ = block_embeddings.shape
-    keep = window[0] if window is not None else 0
-    tail_start = mx.zeros((S,), mx.int32) if tail_start is None else tail_start
+    keep, tail_start = window[0] if window else 0, mx.zeros((S,), mx.int32) if tail_start is None else tail_start
     context = drafter.hidden_norm(drafter.fc(context_hidden))
     mask = block_mask(anchors, context_positions(context.shape[1], tail_start, keep), B, window)
     h = block_embeddings
@@ -324,9 +323,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="Propose only the N most frequent answer tokens (faster drafts and training; default: all)")
     p.add_argument("--draft-window", type=draft_window_arg, default=None, metavar="KEEP:RECENT",
-                   help="Train blocks to read the first KEEP and the last RECENT context rows before them, as "
-                        "`--draft-window` decodes, and record it in the checkpoint as its default (default: the "
-                        "--init drafter's recorded window, else the whole context, recording none)")
+                   help="Blocks read the first KEEP and last RECENT context rows before them; recorded in the "
+                        "checkpoint as its default (default: the --init drafter's, else the whole context)")
     p.add_argument("--max-prompt-tokens", type=int, default=256,
                    help="Longer prompts are left out (raise it for the long sources docs, code, chats)")
     p.add_argument("--block-size", type=int, default=None,
@@ -381,8 +379,7 @@ def run(args: argparse.Namespace) -> None:
     earlier = drafter.corpus.tokens if drafter.corpus is not None else []
     drafter.corpus = corpus_index(earlier + [t for r in records for t in r["response_ids"]])
     dargs = drafter.args
-    # Blocks see the context through the window the drafter will read at inference; the checkpoint
-    # records it (dflash_config.draft_window) so that inference uses it by default.
+    # Blocks see the context through the window the drafter reads at inference; the checkpoint records it.
     window = args.draft_window or (tuple(dargs.draft_window) if dargs.draft_window else None)
     dargs.draft_window = list(window) if window else None
     target = Target(model, dargs.target_layer_ids)
