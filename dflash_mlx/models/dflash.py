@@ -25,7 +25,7 @@ from ..cache.ragged import RaggedKVCache
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The drafter context window (keep, recent) of checkpoints that record none and have full-attention
-# layers; measured on the built-in pair after 1k-8k-token prompts (benchmarks/results/README.md).
+# layers; the best measured on the built-in pair after 1k-4k-token prompts (benchmarks/results/README.md).
 DEFAULT_DRAFT_WINDOW = (16, 256)
 # Sizes that must be positive integers; the rest of the fields are checked by type only.
 _POSITIVE = {
@@ -92,7 +92,8 @@ class DrafterArgs:
     # Our extension: the drafter proposes only these many (frequent) token ids.
     draft_vocab_size: int | None = None
     # Our extension (``dflash_config.draft_window``): [keep, recent], the context window the drafter
-    # was trained to read (the first ``keep`` and the last ``recent`` context rows before a block).
+    # reads by default (the first ``keep`` and the last ``recent`` context rows before a block):
+    # the one ``train --draft-window`` trained it with, or one chosen by measured acceptance.
     draft_window: list[int] | None = None
 
     def __post_init__(self):
