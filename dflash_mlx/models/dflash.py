@@ -22,6 +22,9 @@ from ..cache.context import ContextCache
 from ..errors import DFlashError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# The drafter context window (keep, recent) of checkpoints that record none and have full-attention
+# layers; the best measured on the built-in pair after 1k-4k-token prompts (benchmarks/results/README.md).
+DEFAULT_DRAFT_WINDOW = (16, 256)
 # Sizes that must be positive integers; the rest of the fields are checked by type only.
 _POSITIVE = {
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -86,6 +89,10 @@ class DrafterArgs:
     final_logit_softcapping: float | None = None
     # Our extension: the drafter proposes only these many (frequent) token ids.
     draft_vocab_size: int | None = None
+    # Our extension (``dflash_config.draft_window``): [keep, recent], the context window the drafter
+    # reads by default (the first ``keep`` and the last ``recent`` context rows before a block):
+    # the one ``train --draft-window`` trained it with, or one chosen by measured acceptance.
+    draft_window: list[int] | None = None
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
@@ -150,6 +157,11 @@ class DrafterArgs:
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise config_error("sliding_window", "is missing but layer_types has sliding_attention layers",
                                    "set sliding_window (the window in tokens)")
+        if self.draft_window is not None:
+            w = self.draft_window
+            if len(w) != 2 or w[0] < 0 or w[1] < 1:
+                raise config_error("dflash_config.draft_window", f"is {w}, not [keep, recent] with keep >= 0 and "
+                                   "recent >= 1", "write the window the drafter was trained with, e.g. [16, 256]")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise config_error("dflash_config.target_layer_ids", f"is {self.target_layer_ids}, not a list of "
                                "target layer indices")
@@ -158,6 +170,18 @@ class DrafterArgs:
             make_rope(self)
         except (ValueError, KeyError, TypeError) as e:
             raise config_error(rope_key, f"is not a RoPE setting mlx_lm supports ({type(e).__name__}: {e})") from None
+
+    def context_window(self) -> tuple[int, int]:
+        """The drafter context window (keep, recent) to use by default: the one recorded in the
+        checkpoint (``train`` writes the window it trained with); for a drafter whose every layer
+        has a sliding window, (0, window - 1), the most any block row sees; else
+        ``DEFAULT_DRAFT_WINDOW``."""
+        if self.draft_window is not None:
+            return tuple(self.draft_window)
+        windows = [self.sliding_window_of(i) for i in range(self.num_hidden_layers)]
+        if None not in windows:
+            return 0, max(windows) - 1
+        return DEFAULT_DRAFT_WINDOW
 
     def sliding_window_of(self, layer: int) -> int | None:
         if self.layer_types and self.layer_types[layer] == "sliding_attention":
