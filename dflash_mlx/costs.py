@@ -28,7 +28,7 @@ from .sampling import Greedy
 CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
 # Largest block of a copy-only step: no drafter bounds it, and long copies are the ones that pay.
 COPY_BLOCK_SIZE = 16
-SHORT_CONTEXT, LONG_CONTEXT = 128, 1024  # the two contexts a verify is timed at
+SHORT_CONTEXT, LONG_CONTEXT = 128, 2048  # the two contexts a verify is timed at
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)  # batch sizes timed (others interpolated)
 
 

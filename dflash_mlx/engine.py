@@ -169,7 +169,8 @@ class Engine:
     prompt tokens per prefill forward, and per step while rows decode (a joining prompt holds them
     up for at most that). prompt_cache: a ``PromptCache`` whose entries requests start from and
     leaving rows are saved to (None: no reuse). draft_window: ``(keep, recent)`` bounds the
-    drafter's context (``Drafter.make_cache``). tree_budget: proposals per draft tree
+    drafter's context (``Drafter.make_cache``), ``"auto"`` (the default) the window the drafter
+    records (``DrafterArgs.context_window``), None none. tree_budget: proposals per draft tree
     (``tree.py``), ``"auto"`` (per step, for the most expected tokens per second) or 0 for chains
     only; a step whose rows or target cannot verify trees verifies a chain (the stats say why).
     profile: time each step's draft and verify apart (one more host sync per step;
@@ -186,7 +187,7 @@ class Engine:
         use_metal: bool | None = None,
         prompt_cache: PromptCache | None = None,
         copy_proposals: bool = True,
-        draft_window: tuple[int, int] | None = None,
+        draft_window: tuple[int, int] | str | None = "auto",
         tree_budget: int | str = "auto",
         profile: bool = False,
     ):
@@ -197,9 +198,9 @@ class Engine:
         self.policy = block_size if isinstance(block_size, BlockPolicy) else make_policy(
             model, block_size, use_metal, tree_budget=tree_budget)
         self.prefill_step_size, self.profile = prefill_step_size, profile
-        self.draft_window = draft_window
-        self.drafter.make_cache(draft_window)  # checks the window
-        self.reach = self.drafter.reach(draft_window)
+        self.draft_window = self.drafter.args.context_window() if draft_window == "auto" else draft_window
+        self.drafter.make_cache(self.draft_window)  # checks the window
+        self.reach = self.drafter.reach(self.draft_window)
         # DFlash2 picks each proposal given the one before with the row's own sampler.
         self.picks_in_order = not couples(model)
         reason = batch_refusal(model) if max_rows > 1 else None
@@ -276,7 +277,7 @@ class Engine:
             stats=SpeculativeStats(self.policy.max_block_size, self.ops.path, self.ops.fallbacks,
                                    adaptive=self.policy.adaptive, copy_proposals=self.copy_proposals,
                                    corpus_tokens=len(self.corpus.tokens) if self.corpus else 0,
-                                   sampling=strategy.name, sharding=self.stats.sharding,
+                                   sampling=strategy.name, sharding=self.stats.sharding, draft_window=self.reach,
                                    trees=self.trees or _row_tree_refusal(strategy, logits_processors)),
             acceptance=self.policy.acceptance(),
             block_cap=block_size,
@@ -550,7 +551,12 @@ class Engine:
         rows = self.rows
         masks = mx.full((len(rows), B - 1), self.mask_id, mx.int32)
         embeddings = self.target.embed(mx.concatenate([anchors, masks], axis=1))
+        # The new context rows go in first, so that the block attends over the window alone, as the
+        # drafter was trained (the window drops what falls out of it before the block sees it).
         context = self._pending_context(embeddings.dtype)
+        if context.shape[1]:
+            self.drafter.absorb(context, self.draft_cache)
+        context = context[:, :0]
         if self.picks_in_order:
             pick = _RowPicks(rules, rows)
             tokens, q, confidence = self.drafter.propose(embeddings, anchors[:, 0], context, self.draft_cache,

@@ -103,7 +103,7 @@ def stream_generate(
     stop_tokens: Iterable[int | Sequence[int]] = (),
     use_metal: bool | None = None,
     prefill_step_size: int = PREFILL_STEP_SIZE,
-    draft_window: tuple[int, int] | None = None,
+    draft_window: tuple[int, int] | str | None = "auto",
     prompt_cache: PromptCache | None = None,
     copy_proposals: bool = True,
     tree_budget: int | str = "auto",
@@ -124,7 +124,8 @@ def stream_generate(
     stand in for, or merge with, the drafter's proposals (``copying.py``). ``tree_budget``: the
     proposals of a draft tree verified in one target forward (``tree.py``: the drafter's likeliest
     branches and the copies), ``"auto"`` per step for the most expected tokens per second, 0 for
-    one chain. ``draft_window=(keep, recent)`` bounds the drafter's context for long prompts. ``prompt_cache`` (a ``PromptCache``)
+    one chain. ``draft_window=(keep, recent)`` bounds the drafter's context for long prompts;
+    ``"auto"`` (the default) takes the drafter's own (``DrafterArgs.context_window``), None none. ``prompt_cache`` (a ``PromptCache``)
     reuses the caches of earlier calls whose tokens the new prompt extends, and keeps this one's.
     """
     tokenizer = _wrapped(tokenizer)
@@ -206,7 +207,7 @@ def batch_generate(
     prefill_step_size: int = 512,
     use_metal: bool | None = None,
     copy_proposals: bool = True,
-    draft_window: tuple[int, int] | None = None,
+    draft_window: tuple[int, int] | str | None = "auto",
     prompt_cache: PromptCache | None = None,
     tree_budget: int | str = "auto",
 ) -> BatchResponse:

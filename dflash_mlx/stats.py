@@ -65,6 +65,7 @@ class SpeculativeStats:
     copy_steps: int = 0  # steps whose block held copied tokens
     sampling: str = "greedy"  # the verify rule (sampling.py): greedy, coupled, rejection or match
     trees: str | None = None  # why steps verified chains only, or None when they may verify trees
+    draft_window: tuple[int, int] | None = None  # (sink, recent) context rows the drafter sees; None: all
     tree_steps: int = 0  # steps that verified a draft tree
     tree_nodes: int = 0  # their nodes, roots included
     off_chain: int = 0  # tree steps whose accepted path left the drafter's top choices
@@ -138,6 +139,8 @@ def format_stats(response) -> str:
             f"Acceptance histogram (tokens/step:count): {hist}",
             *([f"Verify rule: {s.sampling}"] if s.sampling != "greedy" else []),
             f"Draft trees: {s.describe_trees()}",
+            "Drafter context: " + ("the whole context" if s.draft_window is None else
+                                   f"the first {s.draft_window[0]} and the last {s.draft_window[1]} rows"),
             *([f"Sharded: {s.sharding.describe()}"] if s.sharding else []),
             f"Peak memory: {response.peak_memory:.3f} GB",
         ]

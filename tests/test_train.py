@@ -256,24 +256,6 @@ def test_hub_id_target_with_nested_text_config(tmp_path):
     assert config["rope_theta"] == text["rope_parameters"]["rope_theta"]
 
 
-class _PlacedCache:
-    """Context K/V rows stored in order, with the position the next rows take kept apart from how
-    many are stored: a cache holding only some earlier positions (a window of the context)."""
-
-    def __init__(self, keys=None, values=None, offset=0):
-        self.keys, self.values, self.offset = keys, values, offset
-
-    def update_and_fetch(self, keys, values):
-        self.offset += keys.shape[2]
-        if self.keys is not None:
-            keys, values = mx.concatenate([self.keys, keys], axis=2), mx.concatenate([self.values, values], axis=2)
-        self.keys, self.values = keys, values
-        return keys, values
-
-    def trim(self, n):
-        self.keys, self.values, self.offset = self.keys[:, :, :-n], self.values[:, :, :-n], self.offset - n
-
-
 def test_windowed_training_forward_is_the_drafter_on_the_window_alone(tiny_pair):
     """With --draft-window (keep, recent), every block of the training forward over ``make_batch``'s
     cut context equals the inference drafter run on the first keep and the last recent context rows
@@ -293,17 +275,14 @@ def test_windowed_training_forward_is_the_drafter_on_the_window_alone(tiny_pair)
     block = train.block_tokens(first, B, drafter.args.mask_token_id)
     logits = target.lm_head(training_hidden(drafter, context, target.embed(block), anchors, (keep, recent), tail_start))
     ops = kernels.get_ops(False)
-    dummy = target.embed(block[0, 0])[None]
     for s in range(2):
         for j in range(anchors.shape[1]):
             a = anchors[s, j].item()
-            caches = [[_PlacedCache() for _ in drafter.layers] for _ in range(2)]
-            drafter.hidden(dummy, hidden[s][None, :keep], caches[0], ops)  # sink rows at 0..keep-1
-            for c in caches[1]:
-                c.offset = a - recent
-            drafter.hidden(dummy, hidden[s][None, a - recent : a], caches[1], ops)  # the last recent rows
-            window = [_PlacedCache(mx.concatenate([x.keys, y.keys], axis=2), mx.concatenate([x.values, y.values], axis=2), a)
-                      for x, y in zip(*caches)]
+            window = drafter.make_cache()  # unbounded: only what is put in
+            drafter.absorb(hidden[s][None, :keep], window)  # sink rows at 0..keep-1
+            for c in window:
+                c.skip([a - recent - keep])
+            drafter.absorb(hidden[s][None, a - recent : a], window)  # the last recent rows
             expected = drafter(target.embed(block[s, j])[None], hidden[s][None, a:a], window, target.lm_head, ops)
             assert mx.allclose(logits[s, j], expected[0], atol=1e-4).item(), (s, j)
 

@@ -340,6 +340,8 @@ class Drafter(nn.Module):
 
     def absorb(self, context_hidden: mx.array, cache: list[ContextCache]) -> None:
         """Take in context rows (B, n, k*H) without drafting: each layer stores their K/V."""
+        if not context_hidden.shape[1]:
+            return
         context = self._context(context_hidden)
         for layer, c in zip(self.layers, cache):
             layer.self_attn.absorb(context, c)

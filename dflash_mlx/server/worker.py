@@ -178,7 +178,7 @@ class Worker(threading.Thread):
         prefill = getattr(self.args, "prefill_step_size", None) or (2048 if concurrency == 1 else 512)
         engine = Engine(self.model, block_size=self.args.block_size, max_rows=concurrency, prefill_step_size=prefill,
                         prompt_cache=self.prompt_cache, copy_proposals=getattr(self.args, "copy_proposals", True),
-                        draft_window=getattr(self.args, "draft_window", None),
+                        draft_window=getattr(self.args, "draft_window", "auto"),
                         tree_budget=getattr(self.args, "tree_budget", "auto"))
         self.metrics.engine = engine.stats
         self.metrics.batching = None if engine.stats.batched else engine.stats.reason
