@@ -26,7 +26,8 @@ from .sampling import Greedy
 # 8 rows do and less than 12 (its kernels seem to take rows 16 at a time): 9..15 do not lie
 # between 8 and 16 there.
 CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
-# Largest block of a copy-only step: no drafter bounds it, and long copies are the ones that pay.
+# Largest block of a copy-only step, and the nodes a draft tree may hold with auto: no drafter bounds
+# them, and long copies are the ones that pay.
 COPY_BLOCK_SIZE = 16
 SHORT_CONTEXT, LONG_CONTEXT = 128, 2048  # the two contexts a verify is timed at
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)  # batch sizes timed (others interpolated)
@@ -91,14 +92,14 @@ def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = No
     Uses throw-away caches; the model is left as it was. Sizes and contexts are timed in interleaved
     rounds and the fastest round kept: on a shared machine noise only ever adds time, and
     interleaving spreads a busy spell over all of them (a context's slope is a difference of two
-    timings). One row times sizes up to ``COPY_BLOCK_SIZE`` (copy-only steps may verify more rows
-    than the drafter drafts); more rows time the drafter's block sizes.
+    timings). Verify sizes go up to ``COPY_BLOCK_SIZE`` at least: copy-only steps and draft trees
+    verify more tokens per row than the drafter drafts.
     """
     target, drafter = model.target, model.drafter
     ops = kernels.get_ops(use_metal)
     max_block_size = max_block_size or model.block_size
     repeats = repeats or (5 if rows == 1 else 2)
-    largest = max(max_block_size, COPY_BLOCK_SIZE) if rows == 1 else max_block_size
+    largest = max(max_block_size, COPY_BLOCK_SIZE)
     sizes = sorted({b for b in CALIBRATION_SIZES if b < largest} | {1, max_block_size, largest})
     head, greedy = target.head(drafter.vocab_rows), Greedy(ops)
     # Deterministic tokens: calibration must not consume the caller's random stream.
