@@ -185,6 +185,8 @@ class Engine:
         self.head, self.mask_id = self.target.head(self.drafter.vocab_rows), self.drafter.args.mask_token_id
         self.copy_proposals, self.corpus = copy_proposals, self.drafter.corpus
         self.prompt_cache = prompt_cache
+        if prompt_cache is not None:
+            prompt_cache.bind(model, draft_window)
         self.rows: list[Row] = []  # in batch order
         self.pending: deque[Row] = deque()
         self.cache: list | None = None
@@ -256,7 +258,7 @@ class Engine:
             cache=None, draft_cache=None,
         )
         row.tokens = list(prompt)
-        hit = self.prompt_cache.fetch(prompt, self.target) if self.prompt_cache is not None else None
+        hit = self.prompt_cache.fetch(prompt) if self.prompt_cache is not None else None
         if hit is not None:
             row.prefilled, row.cache, row.draft_cache = hit
             row.cached = row.prefilled
@@ -316,6 +318,11 @@ class Engine:
                 self.stats.prompt_tokens += len(chunk)
                 if done:
                     self.pending.remove(row)
+                    if self.prompt_cache is not None and not self.prompt_cache.layout.cuts:
+                        # A recurrent state serves only prompts that extend it whole: the next turn
+                        # extends this prompt, not necessarily the reply as it will be rendered.
+                        self._save_row(row, self.target.take(row.cache, 0, row.prefilled),
+                                       [c.take(0, c.positions[0]) for c in row.draft_cache])
                     self._start(row, token, logprobs, events)
             self.stats.prompt_time += time.perf_counter() - tic
 

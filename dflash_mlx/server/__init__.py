@@ -80,7 +80,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-cache-size", type=non_negative_int, default=10,
                    help="Most finished requests whose caches later requests may start from (0: none)")
     p.add_argument("--prompt-cache-bytes", type=positive_int, default=None,
-                   help="Most bytes those caches may hold (default: no bound besides the count)")
+                   help="Most bytes those caches may hold in RAM (default: an eighth of physical memory, "
+                        "at most 8 GiB)")
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="Also keep them as files in DIR, written in the background and found again after a "
+                        "restart (default: RAM only)")
+    p.add_argument("--prompt-cache-disk-bytes", type=positive_int, default=None, metavar="N",
+                   help="Most bytes the files in --prompt-cache-dir may hold, oldest used evicted first "
+                        "(default: 10 GiB; never more than half the free space)")
     add_block_arguments(p)
     add_sharding_arguments(p)
 
