@@ -286,10 +286,12 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """Prefill queued prompts (up to ``prefill_step_size`` tokens while rows decode), then one
-        draft-verify step over every running row. Returns the committed tokens."""
+        draft-verify step over every running row. Returns the committed tokens. A step whose prefill
+        finished a prompt returns at once with its first token, as mlx_lm yields it after prefill:
+        the draft-verify step waits for the next call, not the request's time to first token."""
         events: list[TokenEvent] = []
         self._join(events)
-        if self.rows:
+        if self.rows and not events:
             self._decode(events)
         self.stats.generation_tokens += len(events)
         return events

@@ -177,7 +177,8 @@ class DiskTier:
 
     @property
     def nbytes(self) -> int:
-        return sum(self.sizes.values())
+        with self.lock:
+            return sum(self.sizes.values())
 
     def path(self, key: Hashable) -> Path:
         return self.directory / f"{self.prefix}-{key}.safetensors"

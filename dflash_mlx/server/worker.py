@@ -157,7 +157,8 @@ class Worker(threading.Thread):
                 self.state, self.error = "failed", f"the generation worker stopped: {one_line(e)}"
         else:
             self.state = "stopped"
-        self.prompt_cache.close()  # the entries saved last reach the disk
+        if self.prompt_cache is not None:
+            self.prompt_cache.close()  # the entries saved last reach the disk
         while not self.jobs.empty():  # jobs queued behind the end
             if (job := self.jobs.get()) is not None:
                 job.events.put(End(self.error or SHUTTING_DOWN, 503))
