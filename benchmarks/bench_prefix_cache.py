@@ -203,7 +203,8 @@ def main() -> None:
         table[name] = {phase: statistics.median(statistics.median(r[name][t]["ttft"] for t in turns) for r in rounds)
                        for phase, turns in phases.items()}
     exact = all(r["dflash"][t]["reply"] == r["mlx_lm"][t]["reply"] for r in rounds for t in range(len(TURNS)))
-    print(f"system prompt {len(tokenizer.encode(system))} tokens, {len(TURNS)} turns, {args.rounds} rounds; "
+    print(f"system prompt {len(tokenizer.encode(system))} tokens, {len(TURNS) - 1} turns and one after a restart, "
+          f"{args.rounds} rounds; "
           f"replies identical: {exact}")
     print(f"{'phase':>14} {'dflash s':>9} {'mlx_lm s':>9} {'dflash/cold':>12} {'mlx_lm/cold':>12} {'dflash/mlx_lm':>14}")
     for phase in phases:
