@@ -445,6 +445,7 @@ def metric(port, name):
     return float(re.search(rf"^dflash_{name} (\S+)$", text, re.M).group(1))
 
 
+@pytest.mark.slow  # two server processes, ~11 s: outside the default run, as test_server_process.py
 def test_server_prefills_only_the_suffix_and_hits_after_a_restart(pair, tmp_path):
     argv = ("--model", pair[0], "--draft", pair[1], "--port", "0", "--prompt-cache-dir", str(tmp_path))
     server = Serve(*argv)
