@@ -50,7 +50,7 @@ from dflash_mlx import DFlashModel, Engine, stream_generate
 from dflash_mlx.benchmark import load_dataset
 from dflash_mlx.costs import costs
 from dflash_mlx.default import default_pair
-from dflash_mlx.engine import make_policy
+from dflash_mlx.policy import make_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from tiny import OracleDrafter  # noqa: E402

@@ -1,144 +1,262 @@
-"""Fixed vs adaptive block size, short vs long prompt, with and without a drafter window.
+"""Long prompts on the built-in pair (issue 31): prefill against mlx_lm, decode speed, acceptance.
 
-Prints one row per configuration: tau (tokens per step), generation tokens/s,
-share of steps decoded plainly, and the block sizes used. Greedy throughout, so
-every row produces the same text.
+The prompts are documents and source files with a question, none trained on (the built-in
+drafter saw GSM8K, stdlib docstring requests and ShareGPT first turns; ``dflash-mlx train``'s
+long sources hold out the manual sections and packages read here, ``train.data.LONG_HELD_OUT``):
+pages of the Python manual (Debian ``python3.11-doc``: ``apt-get install python3.11-doc``) and
+modules of installed packages, each cut at a line so that the chat-formatted prompt is at most
+the asked number of tokens of the target's tokenizer. SmolLM2's context is 8192 tokens, so the
+"8k" prompts are 7936 tokens: room for 256 more.
 
-    python benchmarks/bench_long_context.py                          # tiny fabricated models
-    python benchmarks/bench_long_context.py --model M --draft D       # real pair
+Sections (``--sections``), all greedy, in one process:
 
-Blocks: fixed 16; "auto" (what ``--block-size auto`` does: the calibrated
-cost curve and the running acceptance); "timed" (the curve also rescaled by
-the step times observed, ``make_policy(model, timed=True)``). Each row is the best of ``--repeats`` runs: on a
-shared machine noise only ever slows a run down.
+- ``prefill``: time to the first token, ``dflash_mlx.stream_generate`` against
+  ``mlx_lm.stream_generate`` on the same target, interleaved (the order alternates per round),
+  best of ``--repeats``; prompt tokens/s of each and their ratio, by the wall clock and by this
+  process's CPU time (steadier on a shared machine; run with OPENBLAS_NUM_THREADS=1).
+- ``decode``: decode tokens/s (first token to last, as ``dflash-mlx benchmark`` counts) of plain
+  mlx_lm and of DFlash at block auto with and without the drafter window, tau split into the
+  target's token, accepted drafted tokens and accepted copies per step; every DFlash run's tokens
+  are checked against mlx_lm's.
+- ``windows``: acceptance only (drafted / copied accepted per step) at block 8 and auto, copies off
+  and on, for each ``--windows`` entry (``none``: the whole context).
 
-Drafters: "random" is the given drafter (tau near 1 when untrained: speculation
-cannot pay), "oracle" proposes the target's own greedy continuation with every
-``--wrong-every``-th token wrong (a stand-in for a well-trained drafter on a
-machine without one).
+The target's prompt cache is computed once per prompt and restored for every decode run (decode
+time excludes prefill on both sides, so this changes no measured number, only the wall time of
+the benchmark).
+
+    python benchmarks/bench_long_context.py --output benchmarks/results/long_context.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import dflash_mlx  # noqa: F401  (loads OpenBLAS before mlx.core)
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.models.cache import make_prompt_cache
 
-import dflash_mlx  # noqa: E402  (loads OpenBLAS before mlx.core)
-import mlx.core as mx  # noqa: E402
-from mlx_lm.generate import generate_step  # noqa: E402
+from dflash_mlx import stream_generate
+from dflash_mlx.benchmark import _timed
+from dflash_mlx.default import default_pair
+from dflash_mlx.train.data import (CODE_QUESTIONS, DOC_QUESTIONS, LONG_HELD_OUT, PYTHON_DOCS, long_prompt,
+                                   package_root, prompt_ids)
 
-from dflash_mlx import DFlashModel, stream_generate  # noqa: E402
-from dflash_mlx.adaptive import make_policy  # noqa: E402
-from dflash_mlx.step_costs import cost_curve  # noqa: E402
-from dflash_mlx.models import Drafter  # noqa: E402
+# Prompt length -> (manual page, package source file); none of them trained on.
+SOURCES = {
+    200: ("tutorial/controlflow.rst.txt", "flask/app.py"),
+    1024: ("howto/regex.rst.txt", "werkzeug/routing/rules.py"),
+    2048: ("howto/descriptor.rst.txt", "rich/console.py"),
+    4096: ("howto/functional.rst.txt", "jinja2/compiler.py"),
+    7936: ("howto/logging.rst.txt", "click/core.py"),
+}
+LENGTHS = tuple(SOURCES)
+WINDOWS = ("none", "0:256", "16:128", "16:256", "64:512", "16:1024")
 
-TEXT = (
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
-    "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm afternoon sun. "
-)
+
+def source_text(kind: str, name: str) -> str:
+    if kind == "docs":
+        assert name.split("/")[0] in LONG_HELD_OUT["docs"]
+        return (PYTHON_DOCS / name).read_text(encoding="utf-8")
+    package, _, rest = name.partition("/")
+    assert package in LONG_HELD_OUT["code"]
+    return (package_root(package) / rest).read_text(encoding="utf-8")
 
 
-class Oracle(Drafter):
-    """The drafter's real forward (its cost, its cache), then the reference's tokens as proposals.
+def fit(tokenizer, text: str, question: str, kind: str, length: int) -> list[int]:
+    """The longest prompt of whole leading lines of ``text`` plus ``question`` within ``length`` tokens."""
+    lines = text.splitlines(keepends=True)
+    ids = lambda n: prompt_ids(tokenizer, long_prompt("".join(lines[:n]), question, kind))  # noqa: E731
+    lo, hi = 1, len(lines)
+    if len(ids(hi)) <= length:
+        raise SystemExit(f"{kind} source too short for {length} tokens")
+    while lo < hi:  # largest n with len(ids(n)) <= length
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(ids(mid)) <= length else (lo, mid - 1)
+    return ids(lo)
 
-    Like tests/tiny.OracleDrafter, but builds one-hot rows by comparison instead of
-    an identity matrix, which a real vocabulary (49152) cannot afford.
+
+def build_prompts(tokenizer, lengths=LENGTHS) -> list[dict]:
+    """One document and one code prompt per length: {"name", "kind", "length", "ids"}."""
+    prompts = []
+    for length in lengths:
+        doc, code = SOURCES.get(length) or SOURCES[max(k for k in SOURCES if k <= length)]
+        for kind, name, question in (("docs", doc, DOC_QUESTIONS[0]), ("code", code, CODE_QUESTIONS[0])):
+            ids = fit(tokenizer, source_text(kind, name), question, kind, length)
+            prompts.append({"name": name, "kind": kind, "length": length, "ids": ids})
+    return prompts
+
+
+def parse_window(text: str) -> tuple[int, int] | None:
+    return None if text == "none" else tuple(int(x) for x in text.split(":"))
+
+
+class PrefilledTarget:
+    """The target's prefill of each prompt computed once and handed out again (decode runs only).
+
+    Wraps ``Target.prefill`` (ours) and builds mlx_lm caches from the same K/V (plain runs), so
+    every decode run starts from the same state without paying a long prefill again.
     """
 
-    def __init__(self, drafter: Drafter, reference: list[int], wrong_every: int):
-        super().__init__(drafter.args)
-        self.update(drafter.parameters())
-        self.reference, self.wrong_every = reference, wrong_every
+    def __init__(self, target):
+        self.target, self.real, self.saved = target, target.prefill, {}
 
-    def __call__(self, block_embeddings, context_hidden, cache, lm_head, ops):
-        logits = super().__call__(block_embeddings, context_hidden, cache, lm_head, ops)
-        start = cache[0].offset  # the anchor's position
-        rows = []
-        for pos in range(start + 1, start + block_embeddings.shape[1]):
-            tok = self.reference[pos] if pos < len(self.reference) else 0
-            rows.append(tok + 1 if pos % self.wrong_every == 0 else tok)
-        hot = mx.arange(logits.shape[-1])[None] == mx.array(rows)[:, None]
-        return mx.where(hot, 30.0, 0.0) + 0 * logits
+    def prefill(self, prompt, cache, step_size=2048, keep_rows=None):
+        key = tuple(prompt.tolist())
+        if key not in self.saved:
+            logits, hidden = self.real(prompt, cache, step_size, keep_rows)
+            mx.eval(logits, hidden, [c.state for c in cache])
+            self.saved[key] = (logits, hidden, [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset) for c in cache])
+        logits, hidden, states = self.saved[key]
+        for c, (k, v, offset) in zip(cache, states):
+            c.keys, c.values, c.offset = k[...], v[...], offset  # new array objects: updates never reach the saved ones
+        return logits, hidden
+
+    def mlx_lm_cache(self, ids: list[int]) -> list:
+        """An mlx_lm cache holding ``ids[:-1]`` (the saved prefill minus its last token)."""
+        cache = self.target.make_cache()
+        self.prefill(mx.array(ids), cache)
+        for c in cache:
+            c.keys, c.values, c.offset = c.keys[..., :-1, :], c.values[..., :-1, :], c.offset - 1
+        return cache
+
+    def __enter__(self):
+        self.target.prefill = self.prefill
+        return self
+
+    def __exit__(self, *exc):
+        del self.target.prefill  # the instance attribute: the method shows through again
 
 
-def make_tiny(root: Path) -> tuple[str, str]:
-    from tiny import TARGETS, drafter_config, save_drafter, save_target
-
-    target = save_target(root / "target", "qwen3")
-    draft = save_drafter(root / "draft", drafter_config(TARGETS["qwen3"]))
-    return str(target), str(draft)
-
-
-def prompt_of(tokenizer, n: int) -> list[int]:
-    ids = tokenizer.encode(TEXT * (n // 20 + 2))
-    return ids[:n]
+def first_token_seconds(responses) -> tuple[float, float]:
+    """(wall, CPU) seconds to the first response; CPU time counts only while this process runs,
+    the steadier measure on a shared machine (with OPENBLAS_NUM_THREADS=1 no thread spins)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    next(responses)
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def run(model, tokenizer, prompt, max_tokens, block_size, window) -> dict:
-    tic, r = time.perf_counter(), None
-    for r in stream_generate(model, tokenizer, prompt, max_tokens, block_size=block_size, draft_window=window, stop_tokens=[]):
-        pass
-    s = r.stats
-    return dict(
-        tau=s.tau,
-        tps=r.generation_tps,
-        plain=s.plain_fraction,
-        sizes=sorted(set(s.block_sizes)),
-        seconds=time.perf_counter() - tic,
-        tokens=r.generation_tokens,
-    )
+def prefill_section(model, tokenizer, prompts, repeats) -> list[dict]:
+    rows = []
+    for p in prompts:
+        ids, best = p["ids"], {}
+        runs = {
+            "ours": lambda: first_token_seconds(stream_generate(model, tokenizer, ids, 2)),
+            "mlx_lm": lambda: first_token_seconds(mlx_lm.stream_generate(model.target.model, tokenizer, ids, max_tokens=2)),
+        }
+        for r in range(repeats):
+            for name in (("ours", "mlx_lm") if r % 2 == 0 else ("mlx_lm", "ours")):
+                for clock, seconds in zip(("wall", "cpu"), runs[name]()):
+                    best[name, clock] = min(best.get((name, clock), float("inf")), seconds)
+        row = {"prompt": p["name"], "kind": p["kind"], "tokens": len(ids)}
+        for clock in ("wall", "cpu"):
+            ours, theirs = len(ids) / best["ours", clock], len(ids) / best["mlx_lm", clock]
+            row[clock] = {"ours_tps": round(ours, 1), "mlx_lm_tps": round(theirs, 1), "ratio": round(ours / theirs, 3)}
+        rows.append(row)
+        print("prefill", json.dumps(row), flush=True)
+    return rows
+
+
+def dflash_run(model, tokenizer, ids, max_tokens, block_size, window, copy_proposals) -> tuple:
+    run, last = _timed(stream_generate(model, tokenizer, ids, max_tokens, block_size=block_size, draft_window=window,
+                                       copy_proposals=copy_proposals))
+    s = last.stats
+    steps = max(len(s.acceptance_lengths), 1)
+    return run, {"tps": round(run.tps, 2), "tau": round(s.tau, 3), "drafted": round(s.drafted / steps, 3),
+                 "copied": round(s.copied / steps, 3), "steps": len(s.acceptance_lengths),
+                 "plain_steps": round(s.plain_fraction, 3)}
+
+
+def plain_run(model, tokenizer, memo, ids, max_tokens):
+    cache = memo.mlx_lm_cache(ids)
+    return _timed(mlx_lm.stream_generate(model.target.model, tokenizer, ids[-1:], max_tokens=max_tokens, prompt_cache=cache))[0]
+
+
+def decode_section(model, tokenizer, memo, prompts, max_tokens, window, repeats) -> list[dict]:
+    rows = []
+    configs = {"auto": ("auto", None), f"auto+{window[0]}:{window[1]}": ("auto", window)}
+    for p in prompts:
+        ids = p["ids"]
+        base_tps, base_tokens, results = 0.0, None, {}
+        for r in range(repeats):
+            order = ["plain", *configs] if r % 2 == 0 else [*configs, "plain"]
+            for name in order:
+                if name == "plain":
+                    run = plain_run(model, tokenizer, memo, ids, max_tokens)
+                    base_tps, base_tokens = max(base_tps, run.tps), run.tokens
+                    continue
+                block, win = configs[name]
+                run, stats = dflash_run(model, tokenizer, ids, max_tokens, block, win, True)
+                stats["match"] = None
+                if name not in results or stats["tps"] > results[name]["tps"]:
+                    results[name] = stats
+                results[name]["tokens"] = run.tokens
+        for name, stats in results.items():
+            stats["match"] = stats.pop("tokens") == base_tokens
+            stats["speedup"] = round(stats["tps"] / base_tps, 3)
+        row = {"prompt": p["name"], "kind": p["kind"], "tokens": len(ids), "plain_tps": round(base_tps, 2), **results}
+        rows.append(row)
+        print("decode", json.dumps(row), flush=True)
+    return rows
+
+
+def windows_section(model, tokenizer, prompts, max_tokens, windows, modes) -> list[dict]:
+    rows = []
+    for p in prompts:
+        row = {"prompt": p["name"], "kind": p["kind"], "tokens": len(p["ids"])}
+        for w in windows:
+            for mode in modes:
+                block, _, source = mode.partition(":")
+                _, stats = dflash_run(model, tokenizer, p["ids"], max_tokens, block if block == "auto" else int(block),
+                                      parse_window(w), source == "copies")
+                row[f"{w} {mode}"] = stats
+        rows.append(row)
+        print("windows", json.dumps(row), flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model")
-    p.add_argument("--draft")
-    p.add_argument("--short", type=int, default=64, help="Short prompt length (tokens)")
-    p.add_argument("--long", type=int, default=4000, help="Long prompt length (tokens)")
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--window", default="64:1024", help="Drafter window KEEP:RECENT for the windowed rows")
-    p.add_argument("--wrong-every", type=int, default=9)
-    p.add_argument("--blocks", default="16,auto,timed", help="Block policies to run (comma-separated)")
-    p.add_argument("--repeats", type=int, default=3, help="Runs per row; the fastest is reported")
-    p.add_argument("--drafters", default="random,oracle", help="Drafters to run (comma-separated)")
+    p.add_argument("--model", help="Target folder (default: the built-in pair)")
+    p.add_argument("--draft", help="Drafter folder (default: the built-in pair's)")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
+    p.add_argument("--kinds", nargs="+", default=["docs", "code"])
+    p.add_argument("--sections", nargs="+", default=["prefill", "decode", "windows"])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--window", default="16:256", help="KEEP:RECENT of the decode section's windowed runs")
+    p.add_argument("--windows", nargs="+", default=list(WINDOWS), help="Windows the windows section sweeps")
+    p.add_argument("--modes", nargs="+", default=["8:drafts", "auto:copies"],
+                   help="BLOCK:drafts (copy proposals off) or BLOCK:copies (on) runs per window")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--output", type=Path)
     args = p.parse_args(argv)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model_path, draft_path = (args.model, args.draft) if args.model else make_tiny(Path(tmp))
-        model, tokenizer = dflash_mlx.load(model_path, draft_path)
-    curve = cost_curve(model)
-    print("verify+draft cost relative to one plain step:", {b: round(c, 2) for b, c in curve.relative().items()})
-    window = tuple(int(x) for x in args.window.split(":"))
-
-    header = f"{'prompt':>6} {'drafter':>7} {'block':>6} {'window':>9} {'tau':>6} {'tok/s':>8} {'plain%':>6}  sizes"
-    print(header)
-    print("-" * len(header))
-    for length in (args.short, args.long):
-        prompt = prompt_of(tokenizer, length)
-        ref = [int(t) for t, _ in generate_step(mx.array(prompt), model.target.model, max_tokens=args.max_tokens)]
-        plain = max((run(model, tokenizer, prompt, args.max_tokens, 1, None) for _ in range(args.repeats)), key=lambda x: x["tps"])
-        print(f"{length:>6} {'-':>7} {1:>6} {'-':>9} {plain['tau']:>6.2f} {plain['tps']:>8.1f} {100:>6.0f}  [1]")
-        oracle = DFlashModel(model.target, Oracle(model.drafter, prompt + ref, args.wrong_every), curve)
-        for name, pair in (("random", model), ("oracle", oracle)):
-            if name not in args.drafters.split(","):
-                continue
-            for block in args.blocks.split(","):
-                for win in (None, window):
-                    runs = []
-                    for _ in range(args.repeats):
-                        policy = {"16": 16, "auto": "auto"}.get(block) or make_policy(pair, timed=True)
-                        runs.append(run(pair, tokenizer, prompt, args.max_tokens, policy, win))
-                    r = max(runs, key=lambda x: x["tps"])
-                    w = "-" if win is None else f"{win[0]}:{win[1]}"
-                    print(
-                        f"{length:>6} {name:>7} {block!s:>6} {w:>9} {r['tau']:>6.2f} {r['tps']:>8.1f} "
-                        f"{100 * r['plain']:>6.0f}  {r['sizes']}"
-                    )
+    model_path, draft_path = (args.model, args.draft) if args.model else default_pair()
+    model, tokenizer = dflash_mlx.load(model_path, draft_path)
+    prompts = [q for q in build_prompts(tokenizer, args.lengths) if q["kind"] in args.kinds]
+    print("prompts:", [(q["name"], len(q["ids"])) for q in prompts], flush=True)
+    for _ in stream_generate(model, tokenizer, prompts[0]["ids"][:64], 8):  # warm up both paths
+        pass
+    for _ in mlx_lm.stream_generate(model.target.model, tokenizer, prompts[0]["ids"][:64], max_tokens=8):
+        pass
+    report = {"model": model_path, "draft": draft_path, "max_tokens": args.max_tokens, "window": args.window,
+              "prompts": [{k: v for k, v in q.items() if k != "ids"} | {"tokens": len(q["ids"])} for q in prompts]}
+    if "prefill" in args.sections:
+        report["prefill"] = prefill_section(model, tokenizer, prompts, args.repeats)
+    with PrefilledTarget(model.target) as memo:
+        if "decode" in args.sections:
+            report["decode"] = decode_section(model, tokenizer, memo, prompts, args.max_tokens,
+                                              parse_window(args.window), args.repeats)
+        if "windows" in args.sections:
+            report["windows"] = windows_section(model, tokenizer, prompts, args.max_tokens, args.windows, args.modes)
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"written to {args.output}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import json
 import time
 
 import dflash_mlx  # noqa: F401  (before mlx: it loads OpenBLAS)
-import mlx.core as mx
 
 from dflash_mlx import Engine, load
 from dflash_mlx.benchmark import DATASETS, _chat, load_dataset, plain_run

@@ -1,11 +1,14 @@
 """Concurrent clients against real servers: ours batched, ours one at a time, mlx_lm.server.
 
     python benchmarks/bench_serve.py [--concurrency 1 2 4 8] [--max-tokens 64] [--rounds 1]
+        [--system batched chains serial previous mlx_lm] [--baseline CHECKOUT]
 
-Three servers run side by side on the built-in pair's target (``dflash_mlx.default``):
+Servers run side by side on the built-in pair's target (``dflash_mlx.default``):
 
-- ``batched``: ``dflash-mlx serve --decode-concurrency 8`` (the default);
-- ``serial``: ``dflash-mlx serve --decode-concurrency 1`` (one request at a time);
+- ``batched``: ``dflash-mlx serve --decode-concurrency C`` (C the largest concurrency; defaults);
+- ``chains``: the same with ``--tree-budget 0`` (draft chains, no trees);
+- ``serial``: ``dflash-mlx serve --decode-concurrency 1`` (one request at a time; always run);
+- ``previous``: a previous release's ``serve`` from ``--baseline`` (a git checkout), as batched;
 - ``mlx_lm``: ``mlx_lm.server`` on the target alone: plain decoding, batched, with OpenBLAS loaded
   first exactly as dflash-mlx loads it, so both use the same BLAS.
 
@@ -36,6 +39,7 @@ from dflash_mlx.benchmark import load_dataset
 from dflash_mlx.default import default_pair
 
 MLX_LM_SERVER = "import dflash_mlx, sys; from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()"
+SYSTEMS = ("batched", "chains", "serial", "previous", "mlx_lm")
 
 
 def free_port() -> int:
@@ -44,10 +48,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(name: str, argv: list[str]) -> tuple[subprocess.Popen, int]:
+def start(name: str, argv: list[str], env: dict | None = None) -> tuple[subprocess.Popen, int]:
     """Start a server on a free port; return it once the port answers /v1/models."""
     port = free_port()
-    process = subprocess.Popen(argv + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(argv + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=env)
     deadline = time.monotonic() + 900
     while True:
         if process.poll() is not None or time.monotonic() > deadline:
@@ -86,16 +91,27 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--block-size", default="auto", help="our servers' --block-size")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--system", nargs="+", default=["batched", "serial", "mlx_lm"], choices=SYSTEMS,
+                   help="servers to race (serial is the reference of 'exact')")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="a checkout of a previous release, served as 'previous' (with --decode-concurrency as batched)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     target, draft = default_pair()
     ours = [sys.executable, "-m", "dflash_mlx", "serve", "--model", target, "--draft", draft, "--block-size",
             args.block_size]
+    batched = ["--decode-concurrency", str(max(args.concurrency))]
     commands = {
-        "batched": ours + ["--decode-concurrency", str(max(args.concurrency))],
+        "batched": ours + batched,
+        "chains": ours + batched + ["--tree-budget", "0"],
         "serial": ours + ["--decode-concurrency", "1"],
+        "previous": ours + batched,
         "mlx_lm": [sys.executable, "-c", MLX_LM_SERVER, "--model", target],
     }
+    commands = {name: commands[name] for name in ["serial"] + [s for s in args.system if s != "serial"]}
+    environments = {"previous": dict(os.environ, PYTHONPATH=str(args.baseline))} if args.baseline else {}
+    if "previous" in commands and not args.baseline:
+        raise SystemExit("--system previous needs --baseline (a checkout of the previous release)")
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     eos = load_tokenizer(Path(target)).eos_token_id
@@ -103,7 +119,7 @@ def main() -> None:
     servers = {}
     try:
         for name, argv in commands.items():
-            servers[name] = start(name, argv)
+            servers[name] = start(name, argv, environments.get(name))
         for _, port in servers.values():  # warm up: first requests compile and fill allocator pools
             measure(port, questions[:2], 8, eos)
         runs = {}
@@ -116,15 +132,17 @@ def main() -> None:
             process.terminate()
             process.wait()
     results = []
-    print(f"{'clients':>7} {'system':>8} {'tok/s':>7} {'p50 s':>7} {'p95 s':>7} {'exact':>6}  vs mlx_lm  vs serial")
+    print(f"{'clients':>7} {'system':>8} {'tok/s':>7} {'p50 s':>7} {'p95 s':>7} {'exact':>6}  vs mlx_lm  vs serial"
+          + ("  vs previous" if "previous" in commands else ""))
     for c in args.concurrency:
         best = {name: max(runs[(c, name)], key=lambda r: r["tokens_per_second"]) for name in commands}
         for name, r in best.items():
             exact = r["texts"] == best["serial"]["texts"]
             results.append(dict(clients=c, system=name, exact=exact, **{k: v for k, v in r.items() if k != "texts"}))
+            ratio = lambda other: (f" {r['tokens_per_second'] / best[other]['tokens_per_second']:>8.2f}x"  # noqa: E731
+                                   if other in best else "        -")
             print(f"{c:>7} {name:>8} {r['tokens_per_second']:>7.2f} {r['p50']:>7.2f} {r['p95']:>7.2f} {str(exact):>6}"
-                  f"  {r['tokens_per_second'] / best['mlx_lm']['tokens_per_second']:>8.2f}x"
-                  f" {r['tokens_per_second'] / best['serial']['tokens_per_second']:>8.2f}x")
+                  f" {ratio('mlx_lm')}{ratio('serial')}" + (ratio("previous") if "previous" in best else ""))
     if args.out:
         args.out.write_text(json.dumps(dict(max_tokens=args.max_tokens, block_size=args.block_size,
                                             load=os.getloadavg(), results=results), indent=1))

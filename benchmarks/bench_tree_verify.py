@@ -69,7 +69,7 @@ def timed(run) -> float:
 
 def measure(target: Target, nodes: list[int], rounds: int) -> dict:
     rng = np.random.default_rng(0)
-    cache = target.make_batch_cache(1)
+    cache = target.make_cache(1)
     target.prefill(mx.array(rng.integers(0, target.vocab_size, CONTEXT)), cache, 512)
     mx.eval([c.state for c in cache if isinstance(c, RaggedKVCache)], [c[1] for c in cache if isinstance(c, ArraysCache)])
     saved = snapshot(cache)
@@ -83,7 +83,7 @@ def measure(target: Target, nodes: list[int], rounds: int) -> dict:
     def chain(n: int):
         def run() -> None:
             evaluate(*target(mx.array(rng.integers(0, target.vocab_size, (1, n))), cache))
-            target.rollback_rows(cache, [n // 2])
+            target.rollback(cache, [n // 2])
             evaluate()
         return run
 

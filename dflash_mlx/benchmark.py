@@ -12,7 +12,9 @@ per step, so it stays out of the timed runs.
 
 ``--block-size auto`` runs DFlash with the adaptive policy (``policy.py``);
 the table's ``block`` column is then the mean number of rows verified per step
-(1 = a plain decoding step) and the JSON holds their histogram.
+(1 = a plain decoding step) and the JSON holds their histogram. ``trees`` counts the steps that
+verified draft trees (``--tree-budget``), ``nodes`` their mean size, ``off`` those whose accepted
+path left the drafter's top choices.
 """
 
 from __future__ import annotations
@@ -119,7 +121,10 @@ class DatasetResult:
     copied: int = 0
     corpus_copied: int = 0  # of the copies, those from the drafter's corpus
     mismatches: list[int] = field(default_factory=list)  # prompt indices whose greedy output differed
-    block_sizes: list[int] = field(default_factory=list)  # verified rows per step (varies with --block-size auto)
+    block_sizes: list[int] = field(default_factory=list)  # verified rows (or tree nodes) per step
+    tree_steps: int = 0  # steps that verified a draft tree
+    tree_nodes: int = 0
+    off_chain: int = 0  # tree steps whose accepted path left the drafter's top choices
     draft_seconds: list[float] = field(default_factory=list)
     verify_seconds: list[float] = field(default_factory=list)
     sharding: str | None = None  # "tensor parallel" / "pipeline parallel" on a sharded target
@@ -144,6 +149,9 @@ class DatasetResult:
             "tau_corpus": round(self.corpus_copied / len(n), 3) if n else None,  # part of tau_copy
             "histogram": dict(sorted(Counter(n).items())),
             "block_sizes": dict(sorted(Counter(self.block_sizes).items())),
+            "tree_steps": self.tree_steps,
+            "nodes_per_tree": round(self.tree_nodes / self.tree_steps, 2) if self.tree_steps else None,
+            "off_chain_steps": self.off_chain,
             "draft_ms_per_step": round(1e3 * sum(self.draft_seconds) / steps, 2) if steps else None,
             "verify_ms_per_step": round(1e3 * sum(self.verify_seconds) / steps, 2) if steps else None,
             "sharding": self.sharding,
@@ -167,7 +175,7 @@ def _profile(model, prompt: list[int], args: argparse.Namespace, result: Dataset
     from .engine import Engine
 
     engine = Engine(model, block_size=args.block_size, max_rows=1, copy_proposals=args.copy_proposals,
-                    draft_window=args.draft_window, profile=True)
+                    draft_window=args.draft_window, tree_budget=args.tree_budget, profile=True)
     engine.add(prompt, max_tokens=args.max_tokens, temp=args.temp)
     while not engine.idle:
         engine.step()
@@ -206,7 +214,8 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
         def dflash():
             mx.random.seed(args.seed)
             return _timed(stream_generate(model, tokenizer, prompt, args.max_tokens, temp=args.temp, block_size=args.block_size,
-                                          copy_proposals=args.copy_proposals, draft_window=args.draft_window))
+                                          copy_proposals=args.copy_proposals, draft_window=args.draft_window,
+                                          tree_budget=args.tree_budget))
 
         if i % 2 == 0:
             base, (spec, last) = baseline(), dflash()
@@ -225,6 +234,9 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
             result.communication_seconds += last.stats.sharding.seconds_per_step * last.stats.sharding.steps
             result.communication_steps += last.stats.sharding.steps
         result.block_sizes += last.stats.block_sizes
+        result.tree_steps += last.stats.tree_steps
+        result.tree_nodes += last.stats.tree_nodes
+        result.off_chain += last.stats.off_chain
         if base.tokens != spec.tokens:
             result.mismatches.append(i)
         if i < args.profile_prompts:
@@ -236,7 +248,8 @@ def benchmark_dataset(model, tokenizer, name: str, prompts: list[str], args: arg
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'dataset':<12}{'n':>4}{'mlx_lm tok/s':>14}{'DFlash tok/s':>14}{'speedup':>9}{'tau':>7}{'=1+draft':>9}"
-            f"{'+copy':>7}{'corpus':>8}{'block':>7}{'draft ms':>10}{'verify ms':>11}  match  histogram (tokens/step:count)")
+            f"{'+copy':>7}{'corpus':>8}{'block':>7}{'trees':>7}{'nodes':>7}{'off':>5}{'draft ms':>10}{'verify ms':>11}"
+            "  match  histogram (tokens/step:count)")
     lines = [head, "-" * len(head)]
     for r in rows:
         hist = " ".join(f"{k}:{v}" for k, v in r["histogram"].items())
@@ -246,7 +259,8 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['dataset']:<12}{r['num_prompts']:>4}{r['baseline_tps']:>14.2f}{r['dflash_tps']:>14.2f}"
             f"{fmt(r['speedup'], '.2f'):>8}x{fmt(r['tau'], '.2f'):>7}{fmt(r['tau_drafter'], '.2f'):>9}{fmt(r['tau_copy'], '.2f'):>7}"
-            f"{fmt(r['tau_corpus'], '.2f'):>8}{fmt(block, '.1f'):>7}{fmt(r['draft_ms_per_step'], '.1f'):>10}"
+            f"{fmt(r['tau_corpus'], '.2f'):>8}{fmt(block, '.1f'):>7}{r['tree_steps']:>7}{fmt(r['nodes_per_tree'], '.1f'):>7}"
+            f"{r['off_chain_steps']:>5}{fmt(r['draft_ms_per_step'], '.1f'):>10}"
             f"{fmt(r['verify_ms_per_step'], '.1f'):>11}  {str(r['match']):<6} {hist}"
         )
     return "\n".join(lines)

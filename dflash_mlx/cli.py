@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "generate": ("dflash_mlx.cli", "Generate text with DFlash speculative decoding"),
     "train": ("dflash_mlx.train", "Train a DFlash drafter for an mlx_lm target"),
     "benchmark": ("dflash_mlx.benchmark", "Compare mlx_lm decoding and DFlash on benchmark prompts"),
-    "serve": ("dflash_mlx.server", "OpenAI-compatible HTTP server with DFlash speculative decoding"),
+    "serve": ("dflash_mlx.server", "HTTP server for OpenAI and Anthropic clients with DFlash speculative decoding"),
     "convert": ("dflash_mlx.convert", "Convert DFlash drafters, HF-layout targets and GGUF files to MLX (optionally quantized)"),
 }
 
@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> None:
         stop_tokens=stop_tokens,
         draft_window=args.draft_window,
         copy_proposals=args.copy_proposals,
+        tree_budget=args.tree_budget,
         prefill_step_size=args.prefill_step_size,
     ):
         print(response.text, end="", flush=True)

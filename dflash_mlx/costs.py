@@ -28,7 +28,7 @@ from .sampling import Greedy
 CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
 # Largest block of a copy-only step: no drafter bounds it, and long copies are the ones that pay.
 COPY_BLOCK_SIZE = 16
-SHORT_CONTEXT, LONG_CONTEXT = 128, 1024  # the two contexts a verify is timed at
+SHORT_CONTEXT, LONG_CONTEXT = 128, 2048  # the two contexts a verify is timed at
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)  # batch sizes timed (others interpolated)
 
 
@@ -185,8 +185,8 @@ class Drift:
     size's ratio. A size never used borrows the ratio of the nearest size used where that
     is below 1 (the whole curve runs faster than calibrated) and counts as calibrated
     otherwise: a size that looks cheaper than it is gets tried and corrected, while one
-    that looked dearer would never be tried (8 rows whose blocks of 2 cost 1.35x the
-    calibration lent that to plain steps and kept drafting where plain steps were faster)."""
+    that looked dearer would never be tried (a dear block size lending its ratio to plain
+    steps kept a batch drafting where plain steps were faster)."""
 
     def __init__(self, decay: float):
         self.decay = decay

@@ -36,14 +36,13 @@ from typing import Callable, Iterable, Sequence
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
-from . import kernels
+from . import kernels, tree, tree_verify
 from .cache.prompt import PromptCache
 from .copying import Copy, CopyIndex, merge
-from .costs import costs
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
 from .models import Drafter
-from .policy import Acceptance, BlockPolicy, Plan
+from .policy import Acceptance, BlockPolicy, Plan, make_policy
 from .sampling import Sampler, SamplingParams, Strategy, make_strategy, random_seed
 from .stats import EngineStats, SpeculativeStats, Step
 
@@ -134,6 +133,28 @@ def couples(model: DFlashModel) -> bool:
     return model.drafter.architecture == Drafter.architecture
 
 
+def tree_refusal(model: DFlashModel, policy: BlockPolicy) -> str | None:
+    """Why ``model``'s steps verify chains only, or None when they may verify draft trees."""
+    if policy.tree_budget_setting == 0:
+        return "tree_budget is 0"
+    if policy.max_block_size == 1:
+        return "the block size is 1"
+    if not couples(model):
+        return f"{model.drafter.architecture} drafters pick each proposal given the one before"
+    if getattr(model.target, "start_record", None):  # distributed.Driver: the other ranks run chains
+        return "a sharded target verifies chains"
+    return tree_verify.refusal(model.target)
+
+
+def _row_tree_refusal(strategy: Strategy, processors: list | None) -> str | None:
+    """Why a request's steps verify chains whatever the engine allows, or None."""
+    if not hasattr(strategy, "pick_nodes"):
+        return f"{strategy.name} verification follows one chain of proposals"
+    if processors:
+        return "logits processors see one token history per row"
+    return None
+
+
 def batch_refusal(model: DFlashModel) -> str | None:
     """Why the engine decodes ``model``'s requests one at a time, or None if it batches them."""
     return model.target.cache_policy.batch_refusal
@@ -148,8 +169,12 @@ class Engine:
     prompt tokens per prefill forward, and per step while rows decode (a joining prompt holds them
     up for at most that). prompt_cache: a ``PromptCache`` whose entries requests start from and
     leaving rows are saved to (None: no reuse). draft_window: ``(keep, recent)`` bounds the
-    drafter's context (``Drafter.make_cache``). profile: time each step's draft and verify apart
-    (one more host sync per step; ``stats.draft_seconds``/``verify_seconds``).
+    drafter's context (``Drafter.make_cache``), ``"auto"`` (the default) the window the drafter
+    records (``DrafterArgs.context_window``), None none. tree_budget: proposals per draft tree
+    (``tree.py``), ``"auto"`` (per step, for the most expected tokens per second) or 0 for chains
+    only; a step whose rows or target cannot verify trees verifies a chain (the stats say why).
+    profile: time each step's draft and verify apart (one more host sync per step;
+    ``stats.draft_seconds``/``verify_seconds``).
     """
 
     def __init__(
@@ -162,22 +187,25 @@ class Engine:
         use_metal: bool | None = None,
         prompt_cache: PromptCache | None = None,
         copy_proposals: bool = True,
-        draft_window: tuple[int, int] | None = None,
+        draft_window: tuple[int, int] | str | None = "auto",
+        tree_budget: int | str = "auto",
         profile: bool = False,
     ):
         if max_rows < 1 or prefill_step_size < 1:
             raise DFlashError(f"max_rows {max_rows} and prefill_step_size {prefill_step_size} must be at least 1")
         self.target, self.drafter, self.model = model.target, model.drafter, model
         self.ops = kernels.get_ops(use_metal)
-        self.policy = block_size if isinstance(block_size, BlockPolicy) else make_policy(model, block_size, use_metal)
+        self.policy = block_size if isinstance(block_size, BlockPolicy) else make_policy(
+            model, block_size, use_metal, tree_budget=tree_budget)
         self.prefill_step_size, self.profile = prefill_step_size, profile
-        self.draft_window = draft_window
-        self.drafter.make_cache(draft_window)  # checks the window
-        self.reach = self.drafter.reach(draft_window)
+        self.draft_window = self.drafter.args.context_window() if draft_window == "auto" else draft_window
+        self.drafter.make_cache(self.draft_window)  # checks the window
+        self.reach = self.drafter.reach(self.draft_window)
         # DFlash2 picks each proposal given the one before with the row's own sampler.
         self.picks_in_order = not couples(model)
         reason = batch_refusal(model) if max_rows > 1 else None
         self.max_rows = 1 if reason else max_rows
+        self.trees = tree_refusal(model, self.policy)  # why steps verify chains only, or None
         start_record = getattr(self.target, "start_record", None)  # a sharded target (distributed.Driver)
         self.stats = EngineStats(batched=self.max_rows > 1, reason=reason if reason else
                                  None if max_rows > 1 else "max_rows is 1",
@@ -186,7 +214,7 @@ class Engine:
         self.copy_proposals, self.corpus = copy_proposals, self.drafter.corpus
         self.prompt_cache = prompt_cache
         if prompt_cache is not None:
-            prompt_cache.bind(model, draft_window)
+            prompt_cache.bind(model, self.draft_window)
         self.rows: list[Row] = []  # in batch order
         self.pending: deque[Row] = deque()
         self.cache: list | None = None
@@ -248,10 +276,11 @@ class Engine:
             matcher=StopSequences([[t] if isinstance(t, int) else list(t) for t in stop_tokens]).matcher(),
             key=None if seed is None or coupled else mx.random.key(seed),
             logprobs=logprobs,
-            stats=SpeculativeStats(self.policy.max_block_size, self.ops.path, set(self.ops.fallbacks),
+            stats=SpeculativeStats(self.policy.max_block_size, self.ops.path, self.ops.fallbacks,
                                    adaptive=self.policy.adaptive, copy_proposals=self.copy_proposals,
                                    corpus_tokens=len(self.corpus.tokens) if self.corpus else 0,
-                                   sampling=strategy.name, sharding=self.stats.sharding),
+                                   sampling=strategy.name, sharding=self.stats.sharding, draft_window=self.reach,
+                                   trees=self.trees or _row_tree_refusal(strategy, logits_processors)),
             acceptance=self.policy.acceptance(),
             block_cap=block_size,
             copies=CopyIndex(prompt, self.corpus) if self.copy_proposals else None,
@@ -408,59 +437,40 @@ class Engine:
         for r in rows:  # as long as any block may be: a row's tokens past its max_tokens are dropped
             r.copy = r.copies.suggest(longest) if r.copies else None
         plan = self.policy.plan(rows)
-        B = plan.block_size
         anchors = mx.array([[r.anchor] for r in rows], mx.int32)
         rules = [r.strategy.at(len(r.tokens)) for r in rows]  # each row's block starts at its own position
-        proposals, qs, from_copy, drafted = self._propose(plan, anchors, rules)
+        proposed = self._propose(plan, anchors, rules)
         if self.profile:
-            mx.eval(proposals)
+            mx.eval(proposed.tokens)
         else:  # the drafter computes while the host builds the verify graph
-            mx.async_eval(proposals)
+            mx.async_eval(proposed.tokens)
         drafted_at = time.perf_counter()
-        block = mx.concatenate([anchors, proposals], axis=1)
-        logits, hidden = self._verify_forward(block, proposals)
-        results = []
-        for i, r in enumerate(rows):
-            row_logits = logits[i]
-            if r.processors:
-                row_logits = apply_processors(r.processors, r.history, block[i], row_logits)
-            tokens, n = rules[i].verify(row_logits, proposals[i], qs[i], r.subkey())
-            results.append((tokens, n, _log_softmax(row_logits) if r.logprobs else None))
-        tokens, accepted, logprobs = zip(*results)
-        outputs = (tokens, accepted, [x for x in (*logprobs, drafted, *from_copy) if x is not None])
-        if B == 1 and not (self.pending and R < self.max_rows) and self.policy.expects_plain(rows):
-            # mlx_lm's pipelining: the next anchors' forward (the whole of a plain step) runs while
-            # the host reads this step's tokens. Evaluated apart: in one evaluation with it, reading
-            # the tokens would wait for that forward.
-            mx.async_eval(outputs)
-            self.ahead = self.target(mx.stack([t[:1] for t in tokens]), self.cache)
-            mx.async_eval(self.ahead)
-        mx.eval(outputs)
-        accepted = mx.stack(accepted).tolist()
-        drafted = drafted.tolist() if drafted is not None else None
-        if B > 1:  # a plain step rejects nothing (and may have run ahead since)
-            self.target.rollback(self.cache, [B - 1 - n for n in accepted])
+        verified = self._verify(proposed, rules)
+        self._commit(proposed, verified, events)
         done = time.perf_counter()
-        self._commit(plan, rows, tokens, accepted, drafted, from_copy, logprobs, hidden, block, events)
-        self.stats.record_step(R, B, len(set(accepted)) > 1, done - tic,
-                               (drafted_at - tic, done - drafted_at) if self.profile else None)
-        self.policy.observe(rows, plan, done - tic, self.ahead is not None)
+        self.stats.record_step(R, proposed.width, len(set(verified.accepted)) > 1, done - tic,
+                               (drafted_at - tic, done - drafted_at) if self.profile else None,
+                               proposed.tree is not None)
+        self.policy.observe(rows, Plan(proposed.width, plan.draft), done - tic, self.ahead is not None)
 
-    def _propose(self, plan: Plan, anchors: mx.array, rules: list[Strategy]):
-        """Every row's B - 1 proposals (R, B-1), the q to verify each row's by (None: deterministic
-        or copied), which positions were copied (per row, or None) and the drafter's picks (or None)."""
+    def _propose(self, plan: Plan, anchors: mx.array, rules: list[Strategy]) -> "Proposals":
+        """Every row's proposals after its anchor: a draft tree when the plan drafts and trees may be
+        verified this step (``_tree_refusal``), else a chain of ``plan.block_size`` tokens, drafted,
+        copied, or both merged."""
         rows, B = self.rows, plan.block_size
         R = len(rows)
         if B == 1:
-            return mx.zeros((R, 0), mx.int32), [None] * R, [None] * R, None
+            return Proposals(anchors, [None] * R, [None] * R)
+        if plan.draft and self._tree_refusal(rules) is None:
+            return self._grow_trees(anchors, rules)
         copies = [r.copy.cut(B - 1) if r.copy is not None else None for r in rows]
         for r, c in zip(rows, copies):
             r.copy = c
         if not plan.draft:  # copies alone: no drafter forward; a row without one verifies its anchor repeated
             proposals = [mx.array(c.tokens, mx.int32) if c else mx.repeat(anchors[i], B - 1)
                          for i, c in enumerate(copies)]
-            return (mx.stack(proposals), [None] * R,
-                    [mx.ones((B - 1,), mx.bool_) if c else None for c in copies], None)
+            return Proposals(mx.concatenate([anchors, mx.stack(proposals)], axis=1), [None] * R,
+                             [mx.ones((B - 1,), mx.bool_) if c else None for c in copies])
         drafted, qs, confidence = self._draft(anchors, B, rules)
         proposals, from_copy = [], []
         for i, (r, copy) in enumerate(zip(rows, copies)):
@@ -475,15 +485,87 @@ class Engine:
             proposals.append(p)
             qs[i] = q
             from_copy.append(copied)
-        return mx.stack(proposals), qs, from_copy, drafted
+        return Proposals(mx.concatenate([anchors, mx.stack(proposals)], axis=1), qs, from_copy, drafted)
 
-    def _draft(self, anchors: mx.array, B: int, rules: list[Strategy]) -> tuple[mx.array, list, mx.array]:
+    def _tree_refusal(self, rules: list[Strategy]) -> str | None:
+        """Why this step's rows verify a chain rather than draft trees, or None."""
+        if self.trees is not None:
+            return self.trees
+        if self.ahead is not None:  # a plain step ran this one's anchors already: chains verify after them
+            return "the anchors already ran ahead"
+        return next((reason for r in self.rows if (reason := _row_tree_refusal(r.strategy, r.processors))), None)
+
+    def _grow_trees(self, anchors: mx.array, rules: list[Strategy]) -> "Proposals":
+        """One drafter forward over the drafter's whole block; per row the best tree of the
+        candidates it scores (``tree.build``; copies as a branch), at the budget the policy picks
+        for the rows' expected accepted tokens against what verifying that many nodes costs."""
+        rows, B = self.rows, self.policy.max_block_size
+        drafted, _, _, scores = self._draft(anchors, B, rules, scored=True)
+        copy_rates, copies = [], []
+        for r in rows:
+            copy = r.copy.cut(B - 1) if r.copy is not None else None
+            r.copy = copy
+            copies.append(copy.tokens if copy else [])
+            rates = r.acceptance.copy_rates(copy) if copy else r.acceptance.copies[0]
+            copy_rates.append([rates.rate(j) for j in range(B - 1)])
+        grown = tree.build(scores, self.policy.max_tree_budget, [r.anchor for r in rows],
+                           columns=self.drafter.vocab_rows, copies=copies, copy_rates=copy_rates)
+        size = self.policy.tree_budget(rows, grown) + 1
+        grown = grown.first(size)
+        return Proposals(mx.array(grown.tokens), [None] * len(rows), [None] * len(rows), drafted, grown)
+
+    def _verify(self, proposed: "Proposals", rules: list[Strategy]) -> "Verified":
+        """One target forward over every row's proposals and each row's own rule: what it commits.
+        One host sync; a plain step expected to be followed by another starts that one's forward
+        before the host reads this one's tokens, as mlx_lm does."""
+        rows, R = self.rows, len(self.rows)
+        if proposed.tree is not None:
+            forward = tree_verify.verify(self.target, self.cache, proposed.tree)
+            picks = tree.target_tokens(rules, forward.logits, proposed.tree)
+            logprobs = [_log_softmax(forward.logits[i]) if r.logprobs else None for i, r in enumerate(rows)]
+            mx.eval(picks, [] if proposed.drafted is None else proposed.drafted)
+            walk = tree.walk(proposed.tree, picks)
+            hidden = tree_verify.commit(self.target, self.cache, forward, walk.paths)
+            return Verified(walk.committed(proposed.tree), walk.accepted, hidden,
+                            [None if lp is None else lp[mx.array(path)] for lp, path in zip(logprobs, walk.paths)],
+                            walk)
+        block = proposed.tokens
+        logits, hidden = self._verify_forward(block)
+        results = []
+        for i, r in enumerate(rows):
+            row_logits = logits[i]
+            if r.processors:
+                row_logits = apply_processors(r.processors, r.history, block[i], row_logits)
+            tokens, n = rules[i].verify(row_logits, block[i, 1:], proposed.qs[i], r.subkey())
+            results.append((tokens, n, _log_softmax(row_logits) if r.logprobs else None))
+        tokens, accepted, logprobs = zip(*results)
+        # Log-probabilities stay lazy: computed only for a caller who reads them.
+        outputs = (tokens, accepted, [x for x in (proposed.drafted, *proposed.from_copy) if x is not None])
+        if proposed.width == 1 and not (self.pending and R < self.max_rows) and self.policy.expects_plain(rows):
+            # Evaluated apart: in one evaluation with the next forward, reading the tokens would wait for it.
+            mx.async_eval(outputs)
+            self.ahead = self.target(mx.stack([t[:1] for t in tokens]), self.cache)
+            mx.async_eval(self.ahead)
+        mx.eval(outputs)
+        accepted = mx.stack(accepted).tolist()
+        if proposed.width > 1:  # a plain step rejects nothing (and may have run ahead since)
+            self.target.rollback(self.cache, [proposed.width - 1 - n for n in accepted])
+        return Verified([t.tolist()[: n + 1] for t, n in zip(tokens, accepted)], accepted, hidden, list(logprobs))
+
+    def _draft(self, anchors: mx.array, B: int, rules: list[Strategy], scored: bool = False) -> tuple:
         """Every row's B-1 drafted proposals from one drafter forward, the distributions they were
-        drawn from, and the drafter's probability of each (lazy: read only to weigh a copy)."""
+        drawn from, and the drafter's probability of each (lazy: read only to weigh a copy); with
+        ``scored``, also each row's scores over the draft vocabulary that rank a tree's candidates
+        (the logits, perturbed by the coupled noise for a coupled row: its chain is their argmax)."""
         rows = self.rows
         masks = mx.full((len(rows), B - 1), self.mask_id, mx.int32)
         embeddings = self.target.embed(mx.concatenate([anchors, masks], axis=1))
+        # The new context rows go in first, so that the block attends over the window alone, as the
+        # drafter was trained (the window drops what falls out of it before the block sees it).
         context = self._pending_context(embeddings.dtype)
+        if context.shape[1]:
+            self.drafter.absorb(context, self.draft_cache)
+        context = context[:, :0]
         if self.picks_in_order:
             pick = _RowPicks(rules, rows)
             tokens, q, confidence = self.drafter.propose(embeddings, anchors[:, 0], context, self.draft_cache,
@@ -492,7 +574,13 @@ class Engine:
         draft_logits = self.drafter(embeddings, context, self.draft_cache, self.head, self.ops)
         tokens, qs, confidence = zip(*[self.drafter.pick(draft_logits[i], partial(rules[i].propose, key=r.subkey()))
                                        for i, r in enumerate(rows)])
-        return mx.stack(tokens), list(qs), mx.stack(confidence)
+        if not scored:
+            return mx.stack(tokens), list(qs), mx.stack(confidence)
+        columns = self.drafter.vocab_rows
+        vocab = draft_logits if columns is None else mx.take(draft_logits, columns, axis=-1)
+        scores = mx.stack([rule.scores(vocab[i], columns) if hasattr(rule, "scores") else vocab[i]
+                           for i, rule in enumerate(rules)])
+        return mx.stack(tokens), list(qs), mx.stack(confidence), scores
 
     def _pending_context(self, dtype: mx.Dtype) -> mx.array:
         """Every row's hidden rows the drafter has not taken in, left-padded to a common count."""
@@ -511,30 +599,35 @@ class Engine:
             r.pending = []
         return context
 
-    def _verify_forward(self, block: mx.array, proposals: mx.array) -> tuple[mx.array, mx.array]:
-        """Logits and hidden states of every row's ``[anchor, proposals]``."""
+    def _verify_forward(self, block: mx.array) -> tuple[mx.array, mx.array]:
+        """Logits and hidden states of every row's chain ``[anchor, proposals]``."""
         ahead, self.ahead = self.ahead, None
         if ahead is None:
             return self.target(block, self.cache)
-        if proposals.shape[1] == 0:
+        if block.shape[1] == 1:
             return ahead
         # The anchors' rows already ran: verify the proposals after them.
-        rest = self.target(proposals, self.cache)
+        rest = self.target(block[:, 1:], self.cache)
         return tuple(mx.concatenate(pair, axis=1) for pair in zip(ahead, rest))
 
-    def _commit(self, plan: Plan, rows: list[Row], tokens, accepted: list[int], drafted, from_copy, logprobs,
-                hidden: mx.array, block: mx.array, events: list[TokenEvent]) -> None:
-        B, keep = plan.block_size, []
-        for i, (r, n) in enumerate(zip(rows, accepted)):
-            committed = tokens[i].tolist()[: n + 1]
-            r.pending.append(hidden[i, : n + 1])
+    def _commit(self, proposed: "Proposals", verified: "Verified", events: list[TokenEvent]) -> None:
+        """Each row keeps what it committed: the drafter's next context, its estimates, its tokens."""
+        drafted = proposed.drafted.tolist() if proposed.drafted is not None else None
+        keep, walk = [], verified.walk
+        for i, (r, committed, n) in enumerate(zip(self.rows, verified.tokens, verified.accepted)):
+            r.pending.append(verified.hidden[i, : n + 1])
             if r.processors:
-                r.history = mx.concatenate([r.history, block[i, : n + 1]])
-            copied = from_copy[i].tolist() if from_copy[i] is not None else []
-            r.stats.record(Step(committed, n, block_size=B, copied=sum(copied[:n]), copies=sum(copied),
-                                from_corpus=bool(copied) and r.copy is not None and r.copy.from_corpus))
+                r.history = mx.concatenate([r.history, proposed.tokens[i, : n + 1]])
+            copied = proposed.from_copy[i].tolist() if proposed.from_copy[i] is not None else []
+            step = Step(committed, n, block_size=proposed.width, copied=sum(copied[:n]), copies=sum(copied))
+            if walk is not None:
+                step = Step(committed, n, block_size=int(proposed.tree.sizes[i]), copied=walk.copied[i],
+                            copies=int(proposed.tree.copied[i].sum()), tree=True, off_chain=walk.left_chain[i])
+                r.acceptance.depths.observe(proposed.tree, i, n)
+            step.from_corpus = step.copied > 0 and r.copy is not None and r.copy.from_corpus
+            r.stats.record(step)
             r.acceptance.record(drafted[i] if drafted is not None else None, r.copy, committed)
-            lps = [logprobs[i][j] for j in range(n + 1)] if logprobs[i] is not None else [None] * (n + 1)
+            lps = [verified.logprobs[i][j] for j in range(n + 1)] if verified.logprobs[i] is not None else [None] * (n + 1)
             if self._emit(r, committed, n, lps, events):
                 keep.append(i)
             else:
@@ -558,6 +651,37 @@ class Engine:
         return True
 
 
+@dataclass
+class Proposals:
+    """One step's proposals for every row: ``tokens`` (R, N), each row's anchor first; ``tree`` their
+    shape when they are a draft tree (``tree.DraftTree``), None for a chain; per row ``qs``, the
+    distribution its chain proposals were drawn from (rejection sampling only), and ``from_copy``,
+    which were copied; ``drafted``: the drafter's own picks (R, B-1), to learn its acceptance."""
+
+    tokens: mx.array
+    qs: list
+    from_copy: list
+    drafted: mx.array | None = None
+    tree: "tree.DraftTree | None" = None
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclass
+class Verified:
+    """What each row commits: ``tokens`` (accepted proposals, then the target's own), ``accepted``
+    proposals, the hidden states of the committed rows (the drafter's next context), and the
+    committed tokens' log-probabilities (rows that asked); ``walk``: a tree's walk."""
+
+    tokens: list[list[int]]
+    accepted: list[int]
+    hidden: mx.array
+    logprobs: list
+    walk: "tree.Walk | None" = None
+
+
 class _RowPicks:
     """Each row's own strategy as one picker over all rows (DFlash2's selector picks position by
     position for every row at once)."""
@@ -579,18 +703,3 @@ class _RowPicks:
 def _log_softmax(logits: mx.array) -> mx.array:
     logits = logits.astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def make_policy(model: DFlashModel, block_size: int | str | None = None, use_metal: bool | None = None,
-                **kwargs) -> BlockPolicy:
-    """The block policy of ``block_size``: an int (fixed), ``"auto"`` (adaptive; calibrates the pair
-    on first use, a second or so on small models) or None (the drafter's block size, fixed);
-    keyword arguments go to ``BlockPolicy``."""
-    if block_size == "auto":
-        return BlockPolicy(model.block_size, costs(model, use_metal), **kwargs)
-    block_size = model.block_size if block_size is None else block_size
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise DFlashError(f"block size {block_size!r} is not an integer or 'auto'")
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise DFlashError(f"block size {block_size} is out of range: use 1..{MAX_BLOCK_SIZE} or 'auto'")
-    return BlockPolicy(block_size, **kwargs)

@@ -17,12 +17,26 @@ def block_size_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a block size: give an integer or 'auto'") from None
 
 
-def draft_window_arg(text: str) -> tuple[int, int]:
+def tree_budget_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a tree budget: give an integer >= 0 or 'auto'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a tree budget: give an integer >= 0 or 'auto'")
+    return value
+
+
+def draft_window_arg(text: str) -> tuple[int, int] | str | None:
+    if text in ("auto", "none"):
+        return None if text == "none" else text
     try:
         keep, recent = (int(x) for x in text.split(":"))
         return keep, recent
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEEP:RECENT, e.g. 64:1024") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEEP:RECENT (e.g. 16:256), auto or none") from None
 
 
 def finite_float(text: str) -> float:
@@ -148,8 +162,14 @@ def add_block_arguments(p: argparse.ArgumentParser) -> None:
                         "from the measured verify cost and the running acceptance (default: auto; a seeded "
                         "sampled run with a DFlash2 drafter takes 4, at most the drafter's, since its draws "
                         "follow the block sizes)")
-    p.add_argument("--draft-window", type=draft_window_arg, default=None, metavar="KEEP:RECENT",
-                   help="Bound the drafter's context to the first KEEP and last RECENT tokens (long prompts)")
+    p.add_argument("--tree-budget", type=tree_budget_arg, default="auto", metavar="N|auto",
+                   help="Proposals per draft tree (the drafter's likeliest branches and the copies, verified in "
+                        "one target forward); 'auto' picks it per step from the measured cost and acceptance "
+                        "(default), 0 verifies a single chain")
+    p.add_argument("--draft-window", type=draft_window_arg, default="auto", metavar="KEEP:RECENT|auto|none",
+                   help="The drafter's context: its first KEEP and last RECENT rows; auto (default): the window "
+                        "the drafter records (dflash_config.draft_window), else its sliding windows, else 16:256; "
+                        "none: the whole context")
     p.add_argument("--no-copy-proposals", dest="copy_proposals", action="store_false",
                    help="Propose drafted tokens only, never tokens copied from earlier in the prompt or output")
 

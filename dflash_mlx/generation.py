@@ -103,9 +103,10 @@ def stream_generate(
     stop_tokens: Iterable[int | Sequence[int]] = (),
     use_metal: bool | None = None,
     prefill_step_size: int = PREFILL_STEP_SIZE,
-    draft_window: tuple[int, int] | None = None,
+    draft_window: tuple[int, int] | str | None = "auto",
     prompt_cache: PromptCache | None = None,
     copy_proposals: bool = True,
+    tree_budget: int | str = "auto",
 ) -> Generator[GenerationResponse, None, None]:
     """Generate text with DFlash, yielding one response per token like mlx_lm.
 
@@ -118,16 +119,20 @@ def stream_generate(
     that row's own token history. ``stop_tokens``: more stop token ids, or sequences of ids.
 
     ``block_size="auto"`` picks each step's block (up to the drafter's) from the measured cost and
-    the running acceptance (``policy.py``); a ``BlockPolicy`` (``engine.make_policy``) tunes it.
+    the running acceptance (``policy.py``); a ``BlockPolicy`` (``policy.make_policy``) tunes it.
     ``copy_proposals`` (on by default) lets tokens copied from earlier in the prompt or the output
-    stand in for, or merge with, the drafter's proposals (``copying.py``). ``draft_window=(keep,
-    recent)`` bounds the drafter's context for long prompts. ``prompt_cache`` (a ``PromptCache``)
+    stand in for, or merge with, the drafter's proposals (``copying.py``). ``tree_budget``: the
+    proposals of a draft tree verified in one target forward (``tree.py``: the drafter's likeliest
+    branches and the copies), ``"auto"`` per step for the most expected tokens per second, 0 for
+    one chain. ``draft_window=(keep, recent)`` bounds the drafter's context for long prompts;
+    ``"auto"`` (the default) takes the drafter's own (``DrafterArgs.context_window``), None none. ``prompt_cache`` (a ``PromptCache``)
     reuses the caches of earlier calls whose tokens the new prompt extends, and keeps this one's.
     """
     tokenizer = _wrapped(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
     engine = Engine(model, block_size=block_size, max_rows=1, prefill_step_size=prefill_step_size, use_metal=use_metal,
-                    prompt_cache=prompt_cache, copy_proposals=copy_proposals, draft_window=draft_window)
+                    prompt_cache=prompt_cache, copy_proposals=copy_proposals, draft_window=draft_window,
+                    tree_budget=tree_budget)
     uid = engine.add(ids, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, sampler=sampler,
                      stop_tokens=[*tokenizer.eos_token_ids, *stop_tokens], logits_processors=logits_processors,
                      logprobs=True)
@@ -202,8 +207,9 @@ def batch_generate(
     prefill_step_size: int = 512,
     use_metal: bool | None = None,
     copy_proposals: bool = True,
-    draft_window: tuple[int, int] | None = None,
+    draft_window: tuple[int, int] | str | None = "auto",
     prompt_cache: PromptCache | None = None,
+    tree_budget: int | str = "auto",
 ) -> BatchResponse:
     """Generate a response for every prompt, decoding them together with DFlash.
 
@@ -222,7 +228,7 @@ def batch_generate(
         raise DFlashError(f"max_tokens has {len(limits)} entries for {len(prompts)} prompts: give one per prompt")
     engine = Engine(model, block_size=block_size, max_rows=completion_batch_size, prefill_step_size=prefill_step_size,
                     use_metal=use_metal, copy_proposals=copy_proposals, draft_window=draft_window,
-                    prompt_cache=prompt_cache)
+                    prompt_cache=prompt_cache, tree_budget=tree_budget)
     stops = [*tokenizer.eos_token_ids, *stop_tokens]
     uids = [
         engine.add(encode_prompt(tokenizer, prompt), max_tokens=limit, temp=temp, top_p=top_p, top_k=top_k,

@@ -21,8 +21,13 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from .copying import Copy, common_run
-from .costs import COPY_BLOCK_SIZE, Costs, Drift
+from .costs import COPY_BLOCK_SIZE, Costs, Drift, costs
+from .errors import DFlashError
+from .model import MAX_BLOCK_SIZE, DFlashModel
+from .tree import DraftTree
 
 # Copy runs are told apart by how much context they matched: (shortest match, ...) of each class.
 COPY_MATCH_CLASSES = (2, 4, 8)
@@ -70,13 +75,56 @@ class RunRates:
         self.tested = max(self.tested, min(tested, len(self.rates)))
 
 
+class DepthCalibration:
+    """How right the drafter's path probabilities are, by depth: observed over predicted acceptance
+    (EMAs with ``decay``), which turns a draft tree's node scores into expected accepted tokens.
+
+    A tree's nodes at one depth are exclusive (at most one is accepted), so the sum of their path
+    probabilities predicts the chance that the walk gets that deep, were the drafter calibrated.
+    """
+
+    def __init__(self, depths: int, decay: float):
+        self.observed, self.predicted, self.decay = [1.0] * (depths + 1), [1.0] * (depths + 1), decay
+
+    def _reach(self, tree: DraftTree, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per node of ``row`` in order, its depth and path probability."""
+        n = int(tree.sizes[row])
+        return tree.depths[row, 1:n], np.exp(tree.scores[row, 1:n])
+
+    def expected(self, tree: DraftTree, row: int) -> np.ndarray:
+        """Expected accepted proposals of the tree's first n nodes, for n = 1 .. N (nodes are
+        added best first, so each prefix is the budget-best tree of its size)."""
+        depths, probs = self._reach(tree, row)
+        reach = np.zeros(len(self.observed))
+        out = np.zeros(tree.shape[1])
+        for i, (d, p) in enumerate(zip(depths, probs), start=1):
+            reach[d] += p
+            factors = np.minimum.accumulate(np.minimum(1.0, reach[1:] * self._factors()[1:]))
+            out[i] = factors.sum()
+        out[len(depths) + 1 :] = out[len(depths)]
+        return out
+
+    def _factors(self) -> np.ndarray:
+        return np.array(self.observed) / np.maximum(np.array(self.predicted), 1e-9)
+
+    def observe(self, tree: DraftTree, row: int, accepted: int) -> None:
+        """The walk through row ``row``'s tree accepted ``accepted`` proposals."""
+        depths, probs = self._reach(tree, row)
+        reach = np.bincount(depths, probs, minlength=len(self.observed))
+        for d in range(1, int(depths.max(initial=0)) + 1):
+            self.observed[d] += (1 - self.decay) * (float(accepted >= d) - self.observed[d])
+            self.predicted[d] += (1 - self.decay) * (reach[d] - self.predicted[d])
+
+
 class Acceptance:
     """One row's run rates per source: the drafter, and copies by where they came from (the text
-    itself or the drafter's corpus) and how much context they matched."""
+    itself or the drafter's corpus) and how much context they matched; and how right the drafter's
+    probabilities are by depth, for draft trees."""
 
     def __init__(self, draft_length: int, copy_length: int, prior: float = 0.6, decay: float = 0.8,
                  copy_prior: float = 0.5):
         self.drafter = RunRates(draft_length, prior, decay)
+        self.depths = DepthCalibration(draft_length, decay)
         self.copies = [RunRates(copy_length, copy_prior, decay) for _ in COPY_MATCH_CLASSES]
         self.corpus_copies = [RunRates(copy_length, copy_prior, decay) for _ in COPY_MATCH_CLASSES]
 
@@ -173,14 +221,15 @@ class BlockPolicy:
     largest copy-only block (default: ``COPY_BLOCK_SIZE`` or the drafted maximum if larger).
     timed: multi-row steps' observed times rescale their calibrated cost (``Drift``): the
     calibration of several rows is the noisiest, and per-row work (picks, copies, rollback) is not in
-    it. Single rows stay untimed: there timing noise cost more than it corrected (HumanEval 1.20x
-    against 1.36x untimed, benchmarks/results/README.md).
+    it. Single rows stay untimed: there timing noise cost more than it corrected
+    (benchmarks/results/README.md).
     """
 
     def __init__(self, max_block_size: int, costs: Costs | None = None, *, prior: float = 0.6, decay: float = 0.8,
                  optimism: float = 0.3, probe_every: int = 16, copy_block_size: int | None = None,
-                 timed: bool = True):
+                 timed: bool = True, tree_budget: int | str = "auto"):
         self.costs, self.max_block_size = costs, max_block_size
+        self.tree_budget_setting = tree_budget
         self.prior, self.decay, self.optimism = prior, decay, optimism
         # Copy-only steps run no drafter, so the drafter's block does not bound them.
         self.copy_block_size = copy_block_size or (max(max_block_size, COPY_BLOCK_SIZE) if costs else max_block_size)
@@ -191,6 +240,28 @@ class BlockPolicy:
     @property
     def adaptive(self) -> bool:
         return self.costs is not None
+
+    @property
+    def max_tree_budget(self) -> int:
+        """Most proposals a tree holds: as many as the calibration timed verify rows for (auto),
+        the drafter's block without it, or the budget asked for."""
+        if self.tree_budget_setting != "auto":
+            return self.tree_budget_setting
+        return max(self.costs.ready(1).rows[1].verify) - 1 if self.adaptive else self.max_block_size - 1
+
+    def tree_budget(self, rows: list[Row], grown: DraftTree) -> int:
+        """Proposals per row to verify of ``grown``'s best-first trees: the most expected tokens per
+        second over the rows (their ``DepthCalibration``) at what verifying that many costs here;
+        without a calibration, or at a fixed budget, all of them."""
+        N = grown.shape[1]
+        if not self.adaptive or self.tree_budget_setting != "auto":
+            return N - 1
+        expected = sum(r.acceptance.depths.expected(grown, i) for i, r in enumerate(rows))
+        drafted = Plan(self.max_block_size, True)  # the drafter's forward is spent whatever the budget
+        draft = self.step_seconds(rows, drafted) - self.step_seconds(rows, Plan(self.max_block_size, False))
+        value = [(len(rows) + expected[n - 1]) / (self.step_seconds(rows, Plan(n, False)) + draft)
+                 for n in range(2, N + 1)]
+        return int(np.argmax(value)) + 1
 
     def acceptance(self) -> Acceptance:
         """A new row's estimates."""
@@ -265,3 +336,18 @@ class BlockPolicy:
             calibrated = self.costs.ready(R).step_seconds(R, plan.block_size, plan.draft,
                                                           sum(r.context for r in rows) / R)
             self.drift.observe(plan.block_size, seconds, calibrated, ahead, steady)
+
+
+def make_policy(model: DFlashModel, block_size: int | str | None = None, use_metal: bool | None = None,
+                **kwargs) -> BlockPolicy:
+    """The block policy of ``block_size``: an int (fixed), ``"auto"`` (adaptive; calibrates the pair
+    on first use, a second or so on small models) or None (the drafter's block size, fixed);
+    keyword arguments go to ``BlockPolicy``."""
+    if block_size == "auto":
+        return BlockPolicy(model.block_size, costs(model, use_metal), **kwargs)
+    block_size = model.block_size if block_size is None else block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise DFlashError(f"block size {block_size!r} is not an integer or 'auto'")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise DFlashError(f"block size {block_size} is out of range: use 1..{MAX_BLOCK_SIZE} or 'auto'")
+    return BlockPolicy(block_size, **kwargs)

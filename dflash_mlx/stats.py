@@ -42,6 +42,8 @@ class Step:
     copied: int = 0  # how many of the accepted proposals were copied from earlier text
     copies: int = 0  # how many of the block's proposals were copied
     from_corpus: bool = False  # whether the copy came from the drafter's corpus, not from this text
+    tree: bool = False  # whether the proposals were a draft tree (``block_size``: its nodes, root included)
+    off_chain: bool = False  # whether the accepted path left the drafter's top choices
 
 
 @dataclass
@@ -62,6 +64,11 @@ class SpeculativeStats:
     drafted: int = 0  # accepted proposals the drafter made
     copy_steps: int = 0  # steps whose block held copied tokens
     sampling: str = "greedy"  # the verify rule (sampling.py): greedy, coupled, rejection or match
+    trees: str | None = None  # why steps verified chains only, or None when they may verify trees
+    draft_window: tuple[int, int] | None = None  # (sink, recent) context rows the drafter sees; None: all
+    tree_steps: int = 0  # steps that verified a draft tree
+    tree_nodes: int = 0  # their nodes, roots included
+    off_chain: int = 0  # tree steps whose accepted path left the drafter's top choices
 
     def record(self, step: Step) -> None:
         """One draft-verify step."""
@@ -71,6 +78,16 @@ class SpeculativeStats:
         self.corpus_copied += step.copied if step.from_corpus else 0
         self.drafted += step.accepted - step.copied
         self.copy_steps += step.copies > 0
+        if step.tree:
+            self.tree_steps += 1
+            self.tree_nodes += step.block_size
+            self.off_chain += step.off_chain
+
+    def describe_trees(self) -> str:
+        if not self.tree_steps:
+            return f"none ({self.trees})" if self.trees else "none (no step drafted)"
+        return (f"{self.tree_steps} steps, {self.tree_nodes / self.tree_steps:.1f} nodes per tree, the accepted path "
+                f"off the drafter's top choices in {self.off_chain}")
 
     def describe_corpus(self) -> str:
         if not self.corpus_tokens:
@@ -83,12 +100,6 @@ class SpeculativeStats:
         if self.block_sizes:
             return any(b > 1 for b in self.block_sizes)
         return self.block_size > 1
-
-    @property
-    def plain_fraction(self) -> float:
-        """Share of steps decoded without a draft (the adaptive fallback)."""
-        b = self.block_sizes
-        return sum(1 for x in b if x == 1) / len(b) if b else 0.0
 
     @property
     def tau(self) -> float:
@@ -127,6 +138,9 @@ def format_stats(response) -> str:
                else " (copy proposals off)"),
             f"Acceptance histogram (tokens/step:count): {hist}",
             *([f"Verify rule: {s.sampling}"] if s.sampling != "greedy" else []),
+            f"Draft trees: {s.describe_trees()}",
+            "Drafter context: " + ("the whole context" if s.draft_window is None else
+                                   f"the first {s.draft_window[0]} and the last {s.draft_window[1]} rows"),
             *([f"Sharded: {s.sharding.describe()}"] if s.sharding else []),
             f"Peak memory: {response.peak_memory:.3f} GB",
         ]
@@ -148,13 +162,16 @@ class EngineStats:
     rows: Counter = field(default_factory=Counter)  # rows per step -> steps
     block_sizes: Counter = field(default_factory=Counter)  # block size -> steps
     ragged_steps: int = 0  # steps whose rows accepted different numbers of proposals
+    tree_steps: int = 0  # steps that verified draft trees
     draft_seconds: list[float] = field(default_factory=list)  # per step, when the engine profiles
     verify_seconds: list[float] = field(default_factory=list)
 
     def record_step(self, rows: int, block_size: int, ragged: bool, seconds: float,
-                    profile: tuple[float, float] | None = None) -> None:
-        """One step of ``rows`` rows and ``block_size`` tokens each; ``profile``: its draft and verify seconds."""
+                    profile: tuple[float, float] | None = None, tree: bool = False) -> None:
+        """One step of ``rows`` rows and ``block_size`` tokens (or tree nodes) each; ``profile``: its
+        draft and verify seconds."""
         self.steps += 1
+        self.tree_steps += tree
         self.rows[rows] += 1
         self.block_sizes[block_size] += 1
         self.ragged_steps += ragged

@@ -16,7 +16,7 @@ drafter were calibrated), and a max-heap pops candidates in score order, each po
 sibling and its first child, until the node budget is spent. Since no candidate scores above its
 parent or its better-ranked sibling, the pops are the budget's best-scoring candidates and form a
 prefix-closed tree: the one maximising the expected accepted length under the surrogate. A chain
-(``chain``: today's block) is a tree with one branch, so one verify and commit path serves both.
+(a block of proposals) is a tree with one branch.
 
 Rows of a batch hold different numbers of nodes; all are padded to a common width ``N``. A padding
 node has no parent: no real node sees it (``visibility``), the walk never reaches it, and its
@@ -47,7 +47,8 @@ class DraftTree:
     is ``start + depth``. ``ranks``: the node's rank among its depth's drafted candidates
     (0: the drafter's top choice), ``NOT_DRAFTED`` if the drafter did not propose it.
     ``copied``: whether a copy proposed it. ``sizes`` (R,): real nodes per row, root included;
-    nodes ``sizes[r]..N-1`` of row r are padding.
+    nodes ``sizes[r]..N-1`` of row r are padding. ``scores``: the path score each node was
+    grown by (``build``; 0 elsewhere), its exponential the surrogate's chance the path is accepted.
     """
 
     tokens: np.ndarray
@@ -56,10 +57,17 @@ class DraftTree:
     ranks: np.ndarray
     copied: np.ndarray
     sizes: np.ndarray
+    scores: np.ndarray
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.tokens.shape
+
+    def first(self, n: int) -> "DraftTree":
+        """Each row's first ``n`` nodes: ``build``'s tree for a smaller budget (it adds nodes best
+        first, parents before children, so any prefix is the budget-best tree of its size)."""
+        return DraftTree(*(a[:, :n] for a in (self.tokens, self.parents, self.depths, self.ranks, self.copied)),
+                         np.minimum(self.sizes, n), self.scores[:, :n])
 
     def runs(self) -> list[list[tuple[int, list[int], int]]]:
         """The trees cut into runs without branches, batched by how many runs lie above them.
@@ -86,38 +94,17 @@ class DraftTree:
         return batches
 
 
-def ancestry(parents: np.ndarray, node: int) -> list[int]:
-    """Node indices from the root down to ``node``."""
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(int(parents[path[-1]]))
-    return path[::-1]
-
-
-def _assemble(rows: list[list[tuple[int, int, int, int, bool]]]) -> DraftTree:
-    """A DraftTree from each row's nodes (token, parent, depth, rank, copied), padded."""
+def _assemble(rows: list[list[tuple]]) -> DraftTree:
+    """A DraftTree from each row's nodes (token, parent, depth, rank, copied[, score]), padded."""
     R, N = len(rows), max(map(len, rows))
     tokens, parents = np.zeros((R, N), np.int32), np.full((R, N), -1, np.int32)
     depths, ranks = np.zeros((R, N), np.int32), np.full((R, N), NOT_DRAFTED, np.int32)
-    copied = np.zeros((R, N), bool)
+    copied, scores = np.zeros((R, N), bool), np.zeros((R, N), np.float32)
     for r, nodes in enumerate(rows):
-        for i, (token, parent, depth, rank, copy) in enumerate(nodes):
+        for i, (token, parent, depth, rank, copy, *score) in enumerate(nodes):
             tokens[r, i], parents[r, i], depths[r, i], ranks[r, i], copied[r, i] = token, parent, depth, rank, copy
-    return DraftTree(tokens, parents, depths, ranks, copied, np.array([len(n) for n in rows]))
-
-
-def chain(roots: Sequence[int], proposals: Sequence[Sequence[int]],
-          from_copy: Sequence[Sequence[bool]] | None = None) -> DraftTree:
-    """Today's block as a tree: per row the root and its proposals, each the child of the one
-    before. Rows may hold different numbers of proposals. ``from_copy`` marks proposals taken
-    from a copy (``copying.merge``); the others are the drafter's top choices (rank 0)."""
-    rows = []
-    for r, (root, tokens) in enumerate(zip(roots, proposals)):
-        copies = from_copy[r] if from_copy is not None else [False] * len(tokens)
-        rows.append([(int(root), -1, 0, NOT_DRAFTED, False)]
-                    + [(int(t), i, i + 1, NOT_DRAFTED if c else 0, bool(c))
-                       for i, (t, c) in enumerate(zip(tokens, copies))])
-    return _assemble(rows)
+            scores[r, i] = score[0] if score else 0.0
+    return DraftTree(tokens, parents, depths, ranks, copied, np.array([len(n) for n in rows]), scores)
 
 
 def candidates(draft_logits: mx.array, width: int, columns: mx.array | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -138,7 +125,8 @@ def candidates(draft_logits: mx.array, width: int, columns: mx.array | None = No
 
 def build(draft_logits: mx.array, budget: int | Sequence[int], roots: Sequence[int], columns: mx.array | None = None,
           width: int | None = None, calibration: np.ndarray | None = None,
-          copies: Sequence[Sequence[int]] | None = None, copy_rates: Sequence[float] | None = None) -> DraftTree:
+          copies: Sequence[Sequence[int]] | None = None,
+          copy_rates: Sequence[Sequence[float]] | None = None) -> DraftTree:
     """The budget-best tree per row from one drafter forward (see the module notes).
 
     ``draft_logits`` (R, D, V'): the drafter's scores at block positions 1..D over vocabulary ids
@@ -149,7 +137,8 @@ def build(draft_logits: mx.array, budget: int | Sequence[int], roots: Sequence[i
     parent was accepted; when given, scores sum its logs instead of the drafter's log-probs (it
     must not rise along ranks, nor above 1, for the pops to come best first).
     ``copies``: per row, tokens copied from earlier text (may be empty), a branch from the root,
-    its node at depth d scored ``sum_{j<=d} log copy_rates[j-1]``; where a copied token equals a
+    its node at depth d scored ``sum_{j<=d} log copy_rates[r][j-1]`` (per row: each row's copies
+    are accepted at their own measured rates); where a copied token equals a
     drafted candidate under the same parent they are one node.
     """
     budgets = [budget] * len(roots) if isinstance(budget, int) else list(budget)
@@ -158,23 +147,23 @@ def build(draft_logits: mx.array, budget: int | Sequence[int], roots: Sequence[i
     ids, logprobs = candidates(draft_logits, width or max(max(budgets), 1), columns)
     if calibration is not None:
         logprobs = np.broadcast_to(np.log(np.asarray(calibration)[: ids.shape[1], : ids.shape[2]]), logprobs.shape)
-    copy_scores = None if copy_rates is None else np.concatenate([[0.0], np.cumsum(np.log(copy_rates))])
     rows = []
     for r, root in enumerate(roots):
         copy = list(copies[r]) if copies is not None else []
-        if copy and copy_scores is None:
+        if copy and copy_rates is None:
             raise DFlashError("copy proposals need copy_rates: their measured acceptance per position")
+        copy_scores = None if copy_rates is None else np.concatenate([[0.0], np.cumsum(np.log(copy_rates[r]))])
         rows.append(_grow(int(root), ids[r], logprobs[r], budgets[r], copy[: len(copy_scores) - 1] if copy else [],
                           copy_scores))
     return _assemble(rows)
 
 
 def _grow(root: int, ids: np.ndarray, logprobs: np.ndarray, budget: int, copy: list[int],
-          copy_scores: np.ndarray | None) -> list[tuple[int, int, int, int, bool]]:
+          copy_scores: np.ndarray | None) -> list[tuple[int, int, int, int, bool, float]]:
     """One row's best-first growth. A heap entry is a candidate: (-score, order, parent node,
     depth, rank) for a drafted one, rank ``NOT_DRAFTED`` for the copy's node at that depth."""
     D, K = ids.shape
-    nodes = [(root, -1, 0, NOT_DRAFTED, False)]
+    nodes = [(root, -1, 0, NOT_DRAFTED, False, 0.0)]
     where: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     heap: list[tuple[float, int, int, int, int]] = []
     order = itertools.count()  # ties pop in the order pushed
@@ -193,14 +182,14 @@ def _grow(root: int, ids: np.ndarray, logprobs: np.ndarray, budget: int, copy: l
         node = where.get((parent, token))
         if node is None:
             node = where[(parent, token)] = len(nodes)
-            nodes.append((token, parent, depth, rank if drafted else NOT_DRAFTED, not drafted))
+            nodes.append((token, parent, depth, rank if drafted else NOT_DRAFTED, not drafted, score))
             # A node's first entry to pop scores highest (pops come in score order): its drafted
             # children hang from that score.
             if depth < D:
                 push(score + float(logprobs[depth, 0]), node, depth + 1, 0)
         else:  # the same token under the same parent, from the other source
-            t, p, d, k, c = nodes[node]
-            nodes[node] = (t, p, d, rank if drafted else k, c or not drafted)
+            t, p, d, k, c, first = nodes[node]
+            nodes[node] = (t, p, d, rank if drafted else k, c or not drafted, first)
         if drafted and rank + 1 < K:
             push(score - float(logprobs[depth - 1, rank]) + float(logprobs[depth - 1, rank + 1]), parent, depth, rank + 1)
         elif not drafted and depth < len(copy):

@@ -239,14 +239,14 @@ def _swapped_item(module: nn.Module, name: str, stand_in) -> Iterator[nn.Module]
 
 def verify(target: Target, cache: list, tree: DraftTree) -> TreeForward:
     """One target forward over every node of ``tree`` (R rows) on the batch caches ``cache``
-    (``Target.make_batch_cache``): each row's root at its cached length, every node after its
+    (``Target.make_cache``): each row's root at its cached length, every node after its
     ancestors. The attention caches then hold all N nodes per row until ``commit``."""
     reason = refusal(target)
     if reason is not None:
         raise DFlashError(f"cannot verify a draft tree: {reason}")
     attention = [c for c in cache if isinstance(c, RaggedKVCache)]
     if len(attention) + sum(isinstance(c, ArraysCache) for c in cache) != len(cache) or not attention:
-        raise DFlashError("draft trees need the batch engine's caches (Target.make_batch_cache)")
+        raise DFlashError("draft trees need the engine's caches (Target.make_cache)")
     starts = list(attention[0].lengths)
     if len(starts) != tree.shape[0]:
         raise DFlashError(f"a tree of {tree.shape[0]} rows for a cache of {len(starts)}")

@@ -13,7 +13,7 @@ parser.add_argument("--base-url", default="http://127.0.0.1:8080/v1")
 parser.add_argument("--max-tokens", type=int, default=128)
 args = parser.parse_args()
 
-client = OpenAI(base_url=args.base_url, api_key="not-needed")  # the server checks no key
+client = OpenAI(base_url=args.base_url, api_key="not-needed")  # checked only when serve has --api-key
 
 # Streaming: tokens arrive as the target verifies each drafted block.
 stream = client.chat.completions.create(

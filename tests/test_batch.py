@@ -21,11 +21,9 @@ from tiny import EOS_ID, MASK_ID, OracleDrafter, ScriptedPolicy, async_evaluatio
 
 import dflash_mlx
 from dflash_mlx import DFlashModel, Engine, PromptCache, batch_generate, stream_generate
-from dflash_mlx.costs import Costs, RowCosts, StepCosts
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.kernels import get_ops
 from dflash_mlx.models import Drafter
-from dflash_mlx.policy import BlockPolicy
 from dflash_mlx.sampling import SamplingParams, probabilities
 from dflash_mlx.target import Target
 

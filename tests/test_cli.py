@@ -52,6 +52,20 @@ def test_prefill_step_size_reaches_the_prefill(tiny_pair, capsys, monkeypatch):
     assert longest[0] > 3 and longest[1] == 3 and outputs[0] == outputs[1]
 
 
+def test_tree_budget_reaches_the_engine_and_the_stats_say_so(tiny_pair, capsys):
+    target, draft = tiny_pair("qwen3")
+    outputs = {}
+    for budget in ("0", "4"):
+        code, out, err = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--prompt", "Hello there",
+                                 "--max-tokens", "16", "--block-size", "8", "--tree-budget", budget)
+        assert code == 0, err
+        text, stats = out.split("==========", 1)
+        outputs[budget] = text
+        line = next(line for line in stats.splitlines() if line.startswith("Draft trees:"))
+        assert ("none (tree_budget is 0)" in line) if budget == "0" else ("nodes per tree" in line)
+    assert outputs["0"] == outputs["4"]  # greedy: the same text, tree or chain
+
+
 def edited_drafter(tmp_path, family="qwen3", **overrides):
     config = drafter_config(TARGETS[family])
     dflash_overrides = overrides.pop("dflash_config", {})
@@ -93,6 +107,7 @@ def test_bad_inputs(tiny_pair, tmp_path, capsys):
     expect("block size 40 is out of range", *model, "--draft", str(draft), "--block-size", "40")
     expect("block size 0 is out of range", *model, "--draft", str(draft), "--block-size", "0")
     expect("the prompt is empty", *model, "--draft", str(draft), "--prompt", "", "--ignore-chat-template")
+    expect("-1 is not a tree budget", *model, "--draft", str(draft), "--tree-budget", "-1")
     expect("--temp -1.0: temperature must be in [0, 100]", *model, "--draft", str(draft), "--temp", "-1")
 
     no_keys = tmp_path / "no-keys"

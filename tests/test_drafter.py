@@ -172,6 +172,10 @@ def test_embedding_scale_multiplier_and_softcap(tmp_path, head):
         (lambda c: c.update(architectures=["EagleDraftModel"]), "architectures is ['EagleDraftModel'], not one drafter"),
         (lambda c: c.update(rope_parameters={"rope_type": "nope", "rope_theta": 1e4}), "rope_parameters is not a RoPE"),
         (lambda c: c.update(architectures=["DFlash2DraftModel"]), "dflash_config.conv_kernel_size is missing"),
+        (lambda c: c["dflash_config"].update(draft_window="16:256"), "dflash_config.draft_window is '16:256', not a list"),
+        (lambda c: c["dflash_config"].update(draft_window=[256]), "dflash_config.draft_window is [256], not [keep, recent]"),
+        (lambda c: c["dflash_config"].update(draft_window=[16, 0]), "dflash_config.draft_window is [16, 0], not [keep, recent]"),
+        (lambda c: c["dflash_config"].update(draft_window=[-1, 64]), "dflash_config.draft_window is [-1, 64], not [keep, recent]"),
         (lambda c: (c.update(architectures=["DFlash2DraftModel"]), c["dflash_config"].update(
             conv_kernel_size=2, conv_group_size=24, selector_rank=4, selector_top_k=4)),
          "conv_group_size (24) does not divide hidden_size (64)"),
@@ -221,4 +225,28 @@ def test_sliding_window_cache_keeps_the_last_rows_in_position_order():
         pos += n
         assert cache.positions == [pos] and cache.keys[0, 0, : cache.lengths[0], 0].tolist() == list(range(max(0, pos - 4), pos))
     cache.skip([6])  # rows no block row can see: positions only
-    assert cache.positions == [pos + 6] and cache.offset.tolist() == [pos + 6]
+    assert cache.positions == [pos + 6] and cache.offset == pos + 6
+
+
+
+def test_draft_window_is_read_written_and_defaulted(tmp_path):
+    """dflash_config.draft_window (written by ``train``) is the drafter's default context window; without
+    it, a drafter whose every layer slides reads (0, window - 1), any other the documented default."""
+    from dflash_mlx.models import DEFAULT_DRAFT_WINDOW, save_drafter as save, drafter_config as written
+
+    config = drafter_config(TARGETS["qwen3"])
+    config["dflash_config"]["draft_window"] = [8, 128]
+    drafter = load_drafter(str(save_drafter(tmp_path / "a", config)))
+    assert drafter.args.draft_window == [8, 128] and drafter.args.context_window() == (8, 128)
+    assert written(drafter)["dflash_config"]["draft_window"] == [8, 128]
+    save(drafter, tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["dflash_config"]["draft_window"] == [8, 128]
+    assert load_drafter(str(tmp_path / "b")).args.context_window() == (8, 128)
+
+    released = load_drafter(str(save_drafter(tmp_path / "c", drafter_config(TARGETS["qwen3"])))).args
+    assert released.draft_window is None and released.context_window() == DEFAULT_DRAFT_WINDOW
+    assert "draft_window" not in written(load_drafter(str(tmp_path / "c")))["dflash_config"]
+    sliding = drafter_config(TARGETS["qwen3"], layer_types=["sliding_attention"] * 2, sliding_window=48)
+    assert load_drafter(str(save_drafter(tmp_path / "d", sliding))).args.context_window() == (0, 47)
+    mixed = drafter_config(TARGETS["qwen3"], layer_types=["sliding_attention", "full_attention"], sliding_window=48)
+    assert load_drafter(str(save_drafter(tmp_path / "e", mixed))).args.context_window() == DEFAULT_DRAFT_WINDOW

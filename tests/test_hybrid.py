@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 from mlx_lm.utils import _get_classes
 from stats import ALPHA, chi_square_p_value
 from tiny import EOS_ID, VOCAB, OracleDrafter, ScriptedPolicy, decode, drafter_config, save_drafter, save_tokenizer
 
 import dflash_mlx
 from dflash_mlx import DFlashModel, PromptCache, stream_generate
-from dflash_mlx.cache.ragged import RaggedKVCache
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.models import Drafter, DrafterArgs, load_drafter
 from dflash_mlx.sampling import SamplingParams, probabilities

@@ -21,7 +21,7 @@ from dflash_mlx.convert import convert
 from dflash_mlx.models import load_drafter
 from dflash_mlx.kernels import get_ops, rejection_accept_twin
 from dflash_mlx.model import DFlashModel
-from dflash_mlx.sampling import Greedy, Rejection, SamplingParams, probabilities
+from dflash_mlx.sampling import Rejection, SamplingParams, probabilities
 from dflash_mlx.target import Target
 
 OPS = get_ops(False)

@@ -62,7 +62,9 @@ def official_steps(target_dir, draft_dir, prompt, block_size):
 
 def our_steps(pair, prompt, block_size):
     # The drafter's proposals alone, as the official drafts: copies would change the steps.
-    tokens, stats = decode(pair, prompt, MAX_TOKENS, engine_kwargs=dict(block_size=block_size, copy_proposals=False))
+    # One chain (no tree), as the official drafts.
+    tokens, stats = decode(pair, prompt, MAX_TOKENS, engine_kwargs=dict(block_size=block_size, copy_proposals=False,
+                                                                         tree_budget=0))
     steps, at = [], 0
     for n in [1] + stats.acceptance_lengths:  # the prefill's token, then each step's
         steps.append(tokens[at : at + n])

@@ -9,8 +9,8 @@ from tiny import OracleDrafter, PolicyRow, ScriptedPolicy
 import dflash_mlx
 from dflash_mlx import DFlashModel, Engine, PromptCache, stream_generate
 from dflash_mlx.cache.context import ContextCache
-from dflash_mlx.costs import SHORT_CONTEXT, Costs, RowCosts, StepCosts, calibrate, costs
-from dflash_mlx.engine import make_policy
+from dflash_mlx.costs import Costs, RowCosts, StepCosts, calibrate, costs
+from dflash_mlx.policy import make_policy
 from dflash_mlx.policy import BlockPolicy
 
 # Step cost in units of one plain decoding step, one row.
@@ -148,7 +148,7 @@ def test_context_cache_keeps_start_and_recent_rows():
         cache.trim(4)
         pos += n
         stored = cache.keys[0, 0, : cache.lengths[0], 0].tolist()
-        assert cache.positions == [pos] and cache.offset.tolist() == [pos]
+        assert cache.positions == [pos] and cache.offset == pos
         assert stored == [0, 1] + list(range(max(2, pos - 5), pos))
     # A shorter shared prefix on the next turn: the rows before it.
     taken = cache.take(0, pos - 3)
@@ -199,7 +199,7 @@ def test_adaptive_greedy_equals_mlx_lm(setup, drafter, table):
     assert out == ref[: len(out)]
     assert stats.adaptive and len(stats.block_sizes) == len(stats.acceptance_lengths)
     if table == "steep" and drafter == "random":
-        assert stats.plain_fraction > 0.5  # speculation does not pay: mostly plain decoding
+        assert stats.block_sizes.count(1) > 0.5 * len(stats.block_sizes)  # speculation does not pay: mostly plain
     if table == "flat" and drafter == "oracle":
         assert stats.speculative and stats.tau > 3
 

@@ -171,8 +171,9 @@ def test_entries_are_compact_copies(tiny_pair):
     long = PROMPT * 15  # arrays of tens of kilobytes: the allocator's rounding is lost in the noise
     run(pair, [long, long[:250] + [1, 2, 3]], cache)
     for entry in cache.entries.values():
-        for c in entry.cache + entry.draft_cache:
-            assert c.keys.shape[:3] == (1, c.keys.shape[1], len(entry.tokens))
+        assert all(c.lengths == [len(entry.tokens)] for c in entry.cache)
+        for c in entry.cache + entry.draft_cache:  # no room past what they hold (the drafter's window)
+            assert c.keys.shape[:3] == (1, c.keys.shape[1], c.lengths[0])
         assert entry.nbytes == sum(c.keys.nbytes + c.values.nbytes for c in entry.cache + entry.draft_cache)
     assert cache.nbytes == sum(e.nbytes for e in cache.entries.values())
     # Letting the entries go frees their own bytes, not the buffers of the batch they came from.

@@ -13,7 +13,7 @@ import pytest
 from stats import ALPHA, chi_square_p_value
 
 import dflash_mlx
-from dflash_mlx import DFlashModel, Engine, PromptCache, stream_generate
+from dflash_mlx import DFlashModel, Engine, stream_generate
 from dflash_mlx.kernels import rejection_accept_twin
 from dflash_mlx.models import Drafter
 from dflash_mlx.sampling import SamplingParams, probabilities
@@ -94,10 +94,12 @@ class HalfKnowingDrafter(Drafter):
     def __call__(self, block_embeddings, context_hidden, cache, lm_head, ops):
         logits = super().__call__(block_embeddings, context_hidden, cache, lm_head, ops)
         table = self.target_model[0].model.embed_tokens.weight
-        anchor = mx.argmin(((table - block_embeddings[0, 0]) ** 2).sum(-1)).item()
-        if anchor not in self.rows:
-            self.rows[anchor] = self.target_model[0](mx.array([self.prompt + [anchor]]))[0, -1]
-        return mx.concatenate([0.6 * self.rows[anchor][None, None], logits[:, 1:]], axis=1)
+        anchors = mx.argmin(((table[None] - block_embeddings[:, :1]) ** 2).sum(-1), axis=-1).tolist()
+        for anchor in anchors:
+            if anchor not in self.rows:
+                self.rows[anchor] = self.target_model[0](mx.array([self.prompt + [anchor]]))[0, -1]
+        first = mx.stack([self.rows[anchor] for anchor in anchors])[:, None]
+        return mx.concatenate([0.6 * first, logits[:, 1:]], axis=1)
 
 
 SETTINGS = [
@@ -118,19 +120,19 @@ def test_loop_second_token_distribution(tiny_pair, params):
     second_given_first = np.array(probabilities(target(batch)[:, -1], params))
     expected = first @ second_given_first
 
-    # Through the engine (coupled sampling, the rule of DFlash drafters), a seed per run; each run
-    # after the first prefills one token (the prompt cache).
+    # Through the engine (coupled sampling, the rule of DFlash drafters), a seed per run, 16 runs
+    # decoded together.
     engine = Engine(DFlashModel(model.target, HalfKnowingDrafter(model.drafter, target, prompt)), block_size=4,
-                    prompt_cache=PromptCache())
-    counts, accepted, runs = np.zeros(len(first), int), 0, 1500
-    for run in range(runs):
-        engine.add(prompt, max_tokens=4, temp=params.temp, top_p=params.top_p, top_k=params.top_k,
-                   min_p=params.min_p, seed=run)
-        events = []
-        while not engine.idle:
-            events += engine.step()
-        counts[events[1].token] += 1
-        accepted += events[1].from_draft
+                    max_rows=16)
+    runs = 1500
+    uids = [engine.add(prompt, max_tokens=4, temp=params.temp, top_p=params.top_p, top_k=params.top_k,
+                       min_p=params.min_p, seed=run) for run in range(runs)]
+    events = {uid: [] for uid in uids}
+    while not engine.idle:
+        for event in engine.step():
+            events[event.uid].append(event)
+    counts = np.bincount([events[uid][1].token for uid in uids], minlength=len(first))
+    accepted = sum(events[uid][1].from_draft for uid in uids)
     assert chi_square_p_value(counts, expected) > ALPHA
     assert 0.05 * runs < accepted < 0.98 * runs  # both accepted and rejected proposals ran
 

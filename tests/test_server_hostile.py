@@ -14,6 +14,8 @@ import threading
 import time
 
 import pytest
+import tiny
+from tiny import leave_mid_answer
 
 import dflash_mlx
 from dflash_mlx import stream_generate
@@ -289,7 +291,7 @@ def test_wrong_methods(port):
     assert request(port, "GET", CHAT)[0] == 405
     for method in ("PUT", "DELETE", "PATCH"):
         status, raw = request(port, method, CHAT, b"{}")
-        assert status == 501 and json.loads(raw)["error"]["message"]
+        assert status == 405 and json.loads(raw)["error"]["message"] == f"{CHAT} does not take {method}"
 
 
 def test_head_and_options(port):
@@ -302,7 +304,7 @@ def test_head_and_options(port):
         "Access-Control-Request-Headers": "authorization, content-type",
     })
     r = conn.getresponse()
-    assert r.status == 204 and r.read() == b""
+    assert r.status == 200 and r.read() == b"OK"  # Starlette's preflight answer
     assert r.getheader("Access-Control-Allow-Origin") == "http://editor.example"
     assert "POST" in r.getheader("Access-Control-Allow-Methods")
     assert r.getheader("Access-Control-Allow-Headers") == "authorization, content-type"
@@ -341,9 +343,9 @@ def test_error_answers_keep_the_connection(port):
         reader = Reader(sock)
         normal = b'{"messages": [{"role": "user", "content": "hi"}], "seed": -1, "max_tokens": 2}'
         for body in (b"{not json", b'{"messages": [], "n": 1}', normal):
-            sock.sendall(b"POST /v1/nope HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock.sendall(b"POST /v1/nope HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             assert read_response(reader)[0] == 404
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             assert read_response(reader)[0] in (200, 400)
 
 
@@ -367,19 +369,12 @@ def test_streams_are_framed(port, env):
 
 
 @pytest.mark.parametrize("data, status", [
-    (b"HELLO\r\n\r\n", 400),
-    (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
-    (b"GET /health HTTP/1.1\r\n" + b"X-A: b\r\n" * 101 + b"\r\n", 431),
-    (b"GET /health HTTP/1.1\r\nX-A: " + b"b" * 70_000 + b"\r\n\r\n", 431),
-    (b"GET /health HTTP/2.0\r\n\r\n", 505),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n", 400),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", 411),
-    (b"POST /v1/chat/completions HTTP/1.1\r\n\r\n", 411),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n", 413),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n" % (MAX_BODY_BYTES + 1), 413),
-    (b"GET /\x00\xff HTTP/1.1\r\n\r\n", 404),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", 400),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n", 413),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n" % (MAX_BODY_BYTES + 1), 413),
+    (b"POST /v1/nothing HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 404),
+    (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 404),
 ])
 def test_raw_requests(port, data, status):
     got, body, _ = raw_exchange(port, data)
@@ -387,16 +382,47 @@ def test_raw_requests(port, data, status):
     assert json.loads(body)["error"]["message"]
 
 
+@pytest.mark.parametrize("data", [
+    b"HELLO\r\n\r\n",
+    b"GET /health HTTP/1.1\r\n\r\n",  # HTTP/1.1 without Host
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    b"GET /\x00\xff HTTP/1.1\r\nHost: x\r\n\r\n",
+], ids=["garbage", "no-host", "negative-length", "text-length", "two-lengths", "nul-target"])
+def test_unparsable_http(port, data):
+    """What h11 cannot parse gets uvicorn's own plain-text 400 and a closed connection (no API client sends it)."""
+    got, body, r = raw_exchange(port, data)
+    assert got == 400 and r.getheader("Connection") == "close", body[:200]
+
+
+def test_chunked_request_body(port, env):
+    body = json.dumps({"messages": NORMAL, "max_tokens": 6}).encode()
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i : i + 7]), body[i : i + 7]) for i in range(0, len(body), 7))
+    data = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
+    status, raw, _ = raw_exchange(port, data)
+    assert status == 200 and json.loads(raw)["choices"][0]["message"]["content"] == env.expected
+    huge = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # over the limit, in 1 MB chunks
+        sock.sendall(huge)
+        try:
+            for _ in range(MAX_BODY_BYTES // 2**20 + 2):
+                sock.sendall(b"100000\r\n" + b" " * 2**20 + b"\r\n")
+        except OSError:  # the server answered and closed while we sent
+            pass
+        assert read_response(sock)[0] == 413
+
+
 def test_oversized_body_refused_before_it_is_sent(port):
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY_BYTES * 4))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY_BYTES * 4))
         assert read_response(sock)[0] == 413  # answered with no byte of the 64 MB sent
 
 
 def test_expect_continue(port):
     body = json.dumps({"messages": NORMAL, "max_tokens": 2}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(body))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(body))
         assert sock.recv(100).startswith(b"HTTP/1.1 100")
         sock.sendall(body)
         assert read_response(sock)[0] == 200
@@ -405,7 +431,7 @@ def test_expect_continue(port):
 @pytest.mark.parametrize("data", [
     b"",  # connect and close
     b"POST /v1/chat/co",  # half a request line
-    b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"mess",  # half a body
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess",  # half a body
     b"GET /health HTTP/1.1\r\nHost",  # half the headers
 ], ids=["nothing", "half-line", "half-body", "half-headers"])
 def test_clients_that_leave(port, data):
@@ -416,7 +442,7 @@ def test_clients_that_leave(port, data):
 
 def test_slow_client(port, env):
     body = json.dumps({"messages": NORMAL, "max_tokens": 6}).encode()
-    data = b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    data = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         for i in range(0, len(data), 40):
             sock.sendall(data[i : i + 40])
@@ -479,7 +505,7 @@ def test_concurrent_clients_some_leaving(port, env):
 
     def leaver():
         with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             received = b""
             while b"data: " not in received:
                 received += sock.recv(4096)
@@ -498,3 +524,169 @@ def test_concurrent_clients_some_leaving(port, env):
     while "dflash_requests_active 1" in request(port, "GET", "/metrics")[1] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert "dflash_requests_active 0" in request(port, "GET", "/metrics")[1]
+
+
+# -- the Anthropic Messages and OpenAI Responses endpoints ------------------------------------------------------
+
+MESSAGES = "/v1/messages"
+ASK = [{"role": "user", "content": "Say something."}]
+LONG = [{"role": "user", "content": "x" * 400}]  # over --max-prompt-tokens, which counting does not refuse
+CALLED = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}
+MESSAGE_PROBES = [
+    # (id, body, status, Anthropic error type)
+    ("not-json", b"{not json", 400, "invalid_request_error"),
+    ("empty", b"", 400, "invalid_request_error"),
+    ("array", b"[1]", 400, "invalid_request_error"),
+    ("no-max-tokens", {"max_tokens": None}, 400, "invalid_request_error"),  # null is absent
+    ("no-model", {"model": None}, 400, "invalid_request_error"),
+    ("unknown-model", {"model": "claude-3"}, 404, "not_found_error"),
+    ("max-tokens-huge", {"max_tokens": 10**12}, 400, "invalid_request_error"),
+    ("max-tokens-zero", {"max_tokens": 0}, 400, "invalid_request_error"),
+    ("messages-empty", {"messages": []}, 400, "invalid_request_error"),
+    ("role-system", {"messages": [{"role": "system", "content": "hi"}]}, 400, "invalid_request_error"),
+    ("role-tool", {"messages": [{"role": "tool", "content": "hi"}]}, 400, "invalid_request_error"),
+    ("role-missing", {"messages": [{"content": "hi"}]}, 400, "invalid_request_error"),
+    ("message-extra-key", {"messages": [{"role": "user", "content": "hi", "name": "x"}]}, 400, "invalid_request_error"),
+    ("content-int", {"messages": [{"role": "user", "content": 5}]}, 400, "invalid_request_error"),
+    ("block-not-object", {"messages": [{"role": "user", "content": ["hi"]}]}, 400, "invalid_request_error"),
+    ("block-no-type", {"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, 400, "invalid_request_error"),
+    ("block-image", {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+     "invalid_request_error"),
+    ("text-not-string", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "invalid_request_error"),
+    ("block-extra-key", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]}, 400,
+     "invalid_request_error"),
+    ("tool-use-from-user", {"messages": [{"role": "user", "content": CALLED["content"]}]}, 400, "invalid_request_error"),
+    ("tool-result-from-assistant", {"messages": [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"}]}, *ASK]}, 400, "invalid_request_error"),
+    ("tool-result-unknown-id", {"messages": [*ASK, CALLED, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_2", "content": "x"}]}]}, 400, "invalid_request_error"),
+    ("tool-result-no-id", {"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]}, 400,
+     "invalid_request_error"),
+    ("tool-use-input-string", {"messages": [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": "{}"}]}, *ASK]}, 400, "invalid_request_error"),
+    ("prefill", {"messages": [*ASK, {"role": "assistant", "content": "Sure"}]}, 400, "invalid_request_error"),
+    ("system-int", {"system": 5}, 400, "invalid_request_error"),
+    ("system-image", {"system": [{"type": "image"}]}, 400, "invalid_request_error"),
+    ("temperature-above-one", {"temperature": 1.5}, 400, "invalid_request_error"),
+    ("top-k-negative", {"top_k": -1}, 400, "invalid_request_error"),
+    ("stop-sequence-empty", {"stop_sequences": [""]}, 400, "invalid_request_error"),
+    ("stream-string", {"stream": "yes"}, 400, "invalid_request_error"),
+    ("tool-choice-any", {"tool_choice": {"type": "any"}}, 400, "invalid_request_error"),
+    ("tools-without-a-parser", {"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400,
+     "invalid_request_error"),
+    ("server-tool", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error"),
+    ("thinking-small-budget", {"thinking": {"type": "enabled", "budget_tokens": 10}}, 400, "invalid_request_error"),
+    ("thinking-budget-over-max", {"max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 4000}}, 400,
+     "invalid_request_error"),
+    ("thinking-omitted", {"thinking": {"type": "adaptive", "display": "omitted"}}, 400, "invalid_request_error"),
+    ("output-config", {"output_config": {"effort": "high"}}, 400, "invalid_request_error"),
+    ("mcp-servers", {"mcp_servers": []}, 400, "invalid_request_error"),
+    ("context-management-tool-uses", {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, 400,
+     "invalid_request_error"),
+    ("context-management-keep-zero", {"context_management": {"edits": [
+        {"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 0}}]}}, 400, "invalid_request_error"),
+    ("context-management-not-edits", {"context_management": {"clear": True}}, 400, "invalid_request_error"),
+    ("unknown-field", {"frequency_penalty": 1}, 400, "invalid_request_error"),
+    ("prompt-too-long", {"messages": LONG}, 400, "invalid_request_error"),
+    ("lone-surrogate", b'{"model": "default_model", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud83d"}]}',
+     400, "invalid_request_error"),
+]
+
+
+GENERATION_ONLY = ("max_tokens", "stream", "stop_sequences", "temperature", "top_k")  # not count_tokens fields
+
+
+@pytest.mark.parametrize("fields, status, kind", [p[1:] for p in MESSAGE_PROBES], ids=[p[0] for p in MESSAGE_PROBES])
+def test_bad_messages(port, fields, status, kind):
+    """Each probe on /v1/messages, and on count_tokens where it is about the conversation."""
+    body = fields if isinstance(fields, bytes) else {"model": "default_model", "max_tokens": 4, "messages": ASK, **fields}
+    counted = body if isinstance(body, bytes) else {k: v for k, v in body.items() if k not in GENERATION_ONLY}
+    for path, data in ((MESSAGES, body), (MESSAGES + "/count_tokens", counted)):
+        generation = not isinstance(fields, bytes) and (set(fields) <= {*GENERATION_ONLY, "thinking"} or
+                                                         fields.get("messages") is LONG)
+        if path != MESSAGES and generation:
+            continue  # a probe of generation settings (a budget is checked against max_tokens only when generating)
+        got, raw = request(port, "POST", path, data)
+        assert got == status, (path, raw)
+        error = json.loads(raw)
+        assert error["type"] == "error" and error["error"]["type"] == kind and error["error"]["message"], raw
+
+
+RESPONSES = "/v1/responses"
+RESPONSE_PROBES = [
+    # (id, body, status)
+    ("not-json", b"{not json", 400),
+    ("no-input", {"model": "default_model"}, 400),
+    ("input-int", {"input": 5}, 400),
+    ("input-empty-list", {"input": []}, 400),
+    ("item-not-object", {"input": ["hi"]}, 400),
+    ("item-unknown-type", {"input": [{"type": "computer_call"}]}, 400),
+    ("message-bad-role", {"input": [{"role": "tool", "content": "hi"}]}, 400),
+    ("part-image", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400),
+    ("call-output-unknown-id", {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, 400),
+    ("call-no-name", {"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, 400),
+    ("call-bad-arguments", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{no"},
+                                      {"role": "user", "content": "hi"}]}, 400),
+    ("encrypted-reasoning", {"input": [{"type": "reasoning", "encrypted_content": "x", "summary": []}]}, 400),
+    ("previous-unknown", {"input": "hi", "previous_response_id": "resp_nope"}, 404),
+    ("max-output-huge", {"input": "hi", "max_output_tokens": 10**12}, 400),
+    ("tool-not-function", {"input": "hi", "tools": [{"type": "file_search"}]}, 400),
+    ("tool-strict", {"input": "hi", "tools": [{"type": "function", "name": "f", "strict": True}]}, 400),
+    ("text-format", {"input": "hi", "text": {"format": {"type": "json_schema"}}}, 400),
+    ("truncation-auto", {"input": "hi", "truncation": "auto"}, 400),
+    ("include", {"input": "hi", "include": ["message.output_text.logprobs"]}, 400),
+    ("background", {"input": "hi", "background": True}, 400),
+    ("reasoning-effort", {"input": "hi", "reasoning": {"effort": "extreme"}}, 400),
+    ("conversation", {"input": "hi", "conversation": "conv_1"}, 400),
+    ("unknown-field", {"input": "hi", "mirostat": 2}, 400),
+    ("model-unknown", {"input": "hi", "model": "gpt-5"}, 404),
+    ("prompt-too-long", {"input": "x" * 400}, 400),
+]
+
+
+@pytest.mark.parametrize("body, status", [p[1:] for p in RESPONSE_PROBES], ids=[p[0] for p in RESPONSE_PROBES])
+def test_bad_responses(port, body, status):
+    got, raw = request(port, "POST", RESPONSES, body if isinstance(body, bytes) else {"max_output_tokens": 4, **body})
+    assert got == status, raw
+    error = json.loads(raw)["error"]
+    assert error["message"] and error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_stored_response_routes(port):
+    assert request(port, "GET", RESPONSES + "/resp_nope")[0] == 404
+    assert request(port, "DELETE", RESPONSES + "/resp_nope")[0] == 404
+    status, raw = request(port, "PUT", RESPONSES + "/resp_nope", b"{}")
+    assert status == 405 and json.loads(raw)["error"]["message"]
+    status, raw = request(port, "GET", MESSAGES)
+    assert status == 405 and json.loads(raw)["error"]["type"] == "invalid_request_error"  # Anthropic's shape
+
+
+@pytest.mark.parametrize("path, body", [
+    (MESSAGES, {"model": "default_model", "max_tokens": 3000, "messages": ASK, "stream": True, "temperature": 0}),
+    (RESPONSES, {"input": "talk", "max_output_tokens": 3000, "stream": True}),
+    (MESSAGES, {"model": "default_model", "max_tokens": 3000, "messages": ASK, "temperature": 0}),
+], ids=["messages-stream", "responses-stream", "messages-whole"])
+def test_dropped_clients_cancel_their_job(port, path, body):
+    """A client that leaves mid-way (streaming or not) frees the worker; the port fixture then checks the server."""
+    def metric(name):
+        return tiny.metric(port, name)
+
+    before = metric("dflash_requests_cancelled_total")
+    leave_mid_answer(port, path, body, body.get("stream", False))
+    deadline = time.monotonic() + 30
+    while metric("dflash_requests_cancelled_total") < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric("dflash_requests_cancelled_total") == before + 1
+
+
+@pytest.mark.parametrize("data", [b"", b"GET /health HTTP/1.1\r\nHo"], ids=["nothing", "half-a-head"])
+def test_stalled_connections_are_closed(port, data, monkeypatch):
+    """A client that connects, or starts a request head, and then stalls loses its connection (slowloris)."""
+    from dflash_mlx.server import http as transport
+
+    monkeypatch.setattr(transport, "READ_SECONDS", 0.5)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        tic = time.monotonic()
+        assert sock.recv(100) == b"" and time.monotonic() - tic < 5  # closed by the server, without an answer

@@ -23,12 +23,12 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 class Serve:
     """A ``dflash-mlx serve`` subprocess; its stderr is collected as it comes."""
 
-    def __init__(self, *argv, blocked=()):
+    def __init__(self, *argv, blocked=(), env=ENV):
         # A child inherits its parent's blocked signals: ``blocked`` plays a parent that blocks SIGINT.
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dflash_mlx", "serve", *argv], stderr=subprocess.PIPE, text=True, env=ENV
+                [sys.executable, "-m", "dflash_mlx", "serve", *argv], stderr=subprocess.PIPE, text=True, env=env
             )
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -122,3 +122,25 @@ def test_bad_serve_flags_are_one_line(pair, capsys, argv, message):
     err = capsys.readouterr().err
     assert exit_info.value.code == 1 and message in err, err
     assert err.startswith("dflash-mlx serve: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_serve_process_with_a_key_from_the_environment(pair):
+    """A real ``dflash-mlx serve`` process keyed by DFLASH_MLX_API_KEY, called by the anthropic and openai clients."""
+    anthropic = pytest.importorskip("anthropic")
+    openai = pytest.importorskip("openai")
+    server = Serve("--model", pair[0], "--draft", pair[1], "--port", "0", env={**ENV, "DFLASH_MLX_API_KEY": "k3y"})
+    base = f"http://127.0.0.1:{server.port()}"
+    try:
+        message = anthropic.Anthropic(base_url=base, api_key="k3y", max_retries=0).messages.create(
+            model="default_model", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        assert message.usage.output_tokens == 4
+        response = openai.OpenAI(base_url=base + "/v1", api_key="k3y", max_retries=0).responses.create(
+            model="default_model", input="hi", max_output_tokens=4)
+        assert response.usage.output_tokens == 4
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(
+                model="default_model", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+    code, log = server.wait()
+    assert code == 0 and "Traceback" not in log, log

@@ -1,86 +1,20 @@
 """Tool calling through dflash-mlx serve, with the openai client.
 
-The target is a tiny llama whose layers add nothing (o_proj and down_proj are
-zero), so each next token depends on the last token alone; its head is built
-so that, after the tool-aware generation prompt, greedy decoding writes
-``<think>hm</think>OK<tool_call>{...}</tool_call>`` and then EOS. The chat
-template renders tools and mentions ``<tool_call>`` and ``tool_call.name``, so
-mlx_lm infers its json_tools parser, as it does for Qwen-style templates.
+The target is ``tiny.save_scripted_pair``'s: with tools it writes
+``<think>hm</think>OK<tool_call>{...}</tool_call>``, after a tool result "yo".
 """
 
 import argparse
 import json
 import threading
 
-import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
-from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from tiny import EOS_ID, SPECIALS, VOCAB, drafter_config, save_drafter, save_tokenizer
-from tokenizers import AddedToken, Tokenizer
+from tiny import CALL, USER, WEATHER, save_scripted_pair
 
 from dflash_mlx.server.request import GenerationParams, Request
 from dflash_mlx.server.reply import Reply
 from dflash_mlx.server import add_arguments, close, make_server
-
-CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-ADDED = ["<tool_call>", "</tool_call>", CALL, "<think>", "</think>"]
-TEMPLATE = (
-    "{%- if tools %}tools: {% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}assistant: {% for tool_call in m.tool_calls %}"
-    "{%- if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}"
-    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>'
-    "{%- endfor %}\n"
-    "{%- else %}{{ m.role }}: {{ m.content }}\n{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}assistant:{% if tools %}~{% else %} {% endif %}{% endif %}"
-)
-# What follows each token: with tools the prompt ends in "~", without in " ".
-CHAINS = [["~", "<think>", "h", "m", "</think>", "O", "K", "<tool_call>", CALL, "</tool_call>", "</s>"], [" ", "y", "o", "</s>"]]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}}
-USER = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-def save_scripted_pair(root):
-    """A target that writes CHAINS greedily, its tokenizer, and a random drafter."""
-    target = root / "scripted"
-    target.mkdir(parents=True)
-    save_tokenizer(target)
-    tok = Tokenizer.from_file(str(target / "tokenizer.json"))
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in ADDED])
-    tok.save(str(target / "tokenizer.json"))
-    config_file = target / "tokenizer_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": TEMPLATE}))
-    vocab = {t: i for i, t in enumerate(SPECIALS + [chr(i) for i in range(32, 127)] + ["\n"])}
-    vocab.update({t: VOCAB + i for i, t in enumerate(ADDED)})
-    config = dict(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB + len(ADDED), max_position_embeddings=4096,
-        rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=EOS_ID,
-    )
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    embed = mx.random.normal((config["vocab_size"], 64))
-    x = embed / mx.sqrt(mx.mean(embed * embed, axis=-1, keepdims=True))  # what reaches the head
-    head = mx.zeros_like(embed)
-    for chain in CHAINS:
-        for a, b in zip(chain, chain[1:]):
-            head[vocab[b]] = head[vocab[b]] + x[vocab[a]]  # after a, b scores |x|^2 = 64; others ~N(0, 64)
-    weights = dict(tree_flatten(model.parameters()))
-    for name in weights:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            weights[name] = mx.zeros_like(weights[name])
-    weights.update({"model.embed_tokens.weight": embed, "lm_head.weight": head})
-    mx.save_safetensors(str(target / "model.safetensors"), weights)
-    (target / "config.json").write_text(json.dumps(config))
-    draft = save_drafter(root / "scripted-draft", drafter_config(config, target_layer_ids=[0, 1]))
-    return str(target), str(draft)
-
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
@@ -125,7 +59,7 @@ def test_tool_result_turn(client):
     result = {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "18 C"}
     messages = [*USER, first.model_dump(exclude_none=True), result]
     r = client.chat.completions.create(model="default_model", messages=messages, tools=[WEATHER])
-    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert (r.choices[0].message.content, r.choices[0].message.tool_calls, r.choices[0].finish_reason) == ("yo", None, "stop")
     assert r.usage.prompt_tokens > 40 and r.usage.prompt_tokens_details.cached_tokens > 0
 
 

@@ -254,3 +254,82 @@ def test_hub_id_target_with_nested_text_config(tmp_path):
     assert (config["hidden_size"], config["num_target_layers"]) == (text["hidden_size"], text["num_hidden_layers"])
     assert config["num_attention_heads"] == text["num_attention_heads"] and config["head_dim"] == text["head_dim"]
     assert config["rope_theta"] == text["rope_parameters"]["rope_theta"]
+
+
+def test_windowed_training_forward_is_the_drafter_on_the_window_alone(tiny_pair):
+    """With --draft-window (keep, recent), every block of the training forward over ``make_batch``'s
+    cut context equals the inference drafter run on the first keep and the last recent context rows
+    before its anchor alone, each at its own position (rows between them never entered)."""
+    target_path, _ = tiny_pair("qwen3")
+    model, _ = mlx_lm.load(str(target_path))
+    mx.random.seed(5)
+    drafter = Drafter(DrafterArgs.from_config(drafter_config(TARGETS["qwen3"], block_size=4)))
+    target = Target(model, drafter.args.target_layer_ids)
+    seqs = [(np.array([3 + (5 * i) % 50 for i in range(40)], np.int32), 22),
+            (np.array([7 + (11 * i) % 40 for i in range(33)], np.int32), 20)]
+    hidden = [target(mx.array(t)[None], None)[1][0] for t, _ in seqs]
+    keep, recent, B = 3, 6, 4
+    context, tail_start, first, anchors, _, _ = data.make_batch(seqs, hidden, [0, 1], np.random.default_rng(1), 5, B,
+                                                                (keep, recent))
+    assert context.shape[1] < 40  # rows no block sees were left out
+    block = train.block_tokens(first, B, drafter.args.mask_token_id)
+    logits = target.lm_head(training_hidden(drafter, context, target.embed(block), anchors, (keep, recent), tail_start))
+    ops = kernels.get_ops(False)
+    for s in range(2):
+        for j in range(anchors.shape[1]):
+            a = anchors[s, j].item()
+            window = drafter.make_cache()  # unbounded: only what is put in
+            drafter.absorb(hidden[s][None, :keep], window)  # sink rows at 0..keep-1
+            for c in window:
+                c.skip([a - recent - keep])
+            drafter.absorb(hidden[s][None, a - recent : a], window)  # the last recent rows
+            expected = drafter(target.embed(block[s, j])[None], hidden[s][None, a:a], window, target.lm_head, ops)
+            assert mx.allclose(logits[s, j], expected[0], atol=1e-4).item(), (s, j)
+
+
+def test_draft_window_is_trained_and_recorded(tiny_pair, tmp_path):
+    """``--draft-window`` lands in the checkpoint's dflash_config.draft_window; continuing that drafter
+    (``--init``) keeps it, and the held-out evaluation decodes with it."""
+    target, first = tiny_pair("qwen3")
+    out = tmp_path / "windowed"
+    _train(tmp_path, target, out, 2, "--num-prompts", "4", "--eval-prompts", "0", "--draft-window", "2:16")
+    config = json.loads((out / "config.json").read_text())
+    assert config["dflash_config"]["draft_window"] == [2, 16]
+    assert load_drafter(str(out)).args.context_window() == (2, 16)
+    again = tmp_path / "continued"
+    _train(tmp_path, target, again, 2, "--num-prompts", "4", "--eval-prompts", "0", "--init", str(out))
+    assert json.loads((again / "config.json").read_text())["dflash_config"]["draft_window"] == [2, 16]
+
+
+def test_long_prompt_sources_hold_out_the_benchmark_ones(tmp_path):
+    """docs: manual pages outside the held-out sections, each an excerpt within LONG_PROMPT_CHARS with a
+    question; code: refuses held-out packages; both are deterministic."""
+    root = tmp_path / "_sources"
+    line = "A line of the manual that explains a feature in plain words.\n"
+    for section in ("library", "reference", "howto", "tutorial"):
+        (root / section).mkdir(parents=True)
+        for i in range(2):
+            (root / section / f"page{i}.rst.txt").write_text(f"{section} {i}\n" + line * 600)
+    trained = data.doc_files(root)
+    assert {p.parent.name for p in trained} == {"library", "reference"}
+    assert {p.parent.name for p in data.doc_files(root, held_out=True)} == set(data.LONG_HELD_OUT["docs"])
+    prompts = data.load_prompts([f"docs:{root}"], 10)
+    assert len(prompts) == 4 and prompts == data.load_prompts([f"docs:{root}"], 10)
+    for p in prompts:
+        excerpt, question = p.rsplit("\n```\n\n", 1)
+        assert question in data.DOC_QUESTIONS and 500 <= len(excerpt) <= data.LONG_PROMPT_CHARS + 4
+        assert "howto" not in excerpt and "tutorial" not in excerpt
+    with pytest.raises(DFlashError, match="held out for the long-context benchmark"):
+        data.load_prompts(["code:tqdm,click"], 3)
+    with pytest.raises(DFlashError, match="python3.11-doc"):
+        data.load_prompts([f"docs:{tmp_path / 'none'}"], 3)
+
+
+def test_conversation_prompts_are_read_through_the_chat_template(tiny_pair):
+    """A multi-turn prompt (a message list, as the chats source gives) is tokenized as one conversation
+    ending with the generation prompt; a string is one user message."""
+    target, _ = tiny_pair("qwen3")
+    _, tokenizer = mlx_lm.load(str(target))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    assert data.prompt_ids(tokenizer, "hi") == tokenizer.apply_chat_template(chat[:1], add_generation_prompt=True)
+    assert data.prompt_ids(tokenizer, chat) == tokenizer.apply_chat_template(chat, add_generation_prompt=True)

@@ -2,6 +2,7 @@
 family it claims (tree_verify.py), checked against mlx_lm running each path as plain text."""
 
 import itertools
+from typing import Sequence
 
 import mlx.core as mx
 import mlx_lm
@@ -19,6 +20,31 @@ from dflash_mlx.sampling import Coupled, Greedy, SamplingParams
 from dflash_mlx.target import Target
 from dflash_mlx.tree_verify import FAMILIES, commit, refusal, verify
 
+# -- trees by hand --------------------------------------------------------------------------
+
+
+def ancestry(parents: np.ndarray, node: int) -> list[int]:
+    """Node indices from the root down to ``node``."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(int(parents[path[-1]]))
+    return path[::-1]
+
+
+def chain(roots: Sequence[int], proposals: Sequence[Sequence[int]],
+          from_copy: Sequence[Sequence[bool]] | None = None) -> trees.DraftTree:
+    """A block of proposals as a tree: per row the root and its proposals, each the child of the one
+    before. Rows may hold different numbers of proposals. ``from_copy`` marks proposals taken
+    from a copy (``copying.merge``); the others are the drafter's top choices (rank 0)."""
+    rows = []
+    for r, (root, tokens) in enumerate(zip(roots, proposals)):
+        copies = from_copy[r] if from_copy is not None else [False] * len(tokens)
+        rows.append([(int(root), -1, 0, trees.NOT_DRAFTED, False)]
+                    + [(int(t), i, i + 1, trees.NOT_DRAFTED if c else 0, bool(c))
+                       for i, (t, c) in enumerate(zip(tokens, copies))])
+    return trees._assemble(rows)
+
+
 # -- the builder -----------------------------------------------------------------------------
 
 
@@ -28,7 +54,7 @@ def random_logits(R: int, D: int, V: int, seed: int = 0) -> mx.array:
 
 def rank_paths(tree: trees.DraftTree, r: int = 0) -> list[tuple[int, ...]]:
     """Each real non-root node as the ranks along its path, in node order."""
-    return [tuple(int(tree.ranks[r, j]) for j in trees.ancestry(tree.parents[r], i)[1:])
+    return [tuple(int(tree.ranks[r, j]) for j in ancestry(tree.parents[r], i)[1:])
             for i in range(1, tree.sizes[r])]
 
 
@@ -73,10 +99,10 @@ def test_a_chain_is_a_one_branch_tree():
     logits = random_logits(2, 5, 12, seed=1)
     top = np.array(mx.argmax(logits, axis=-1))
     built = trees.build(logits, 5, [3, 4], width=1)
-    chained = trees.chain([3, 4], top.tolist())
+    chained = chain([3, 4], top.tolist())
     for field in ("tokens", "parents", "depths", "ranks", "copied", "sizes"):
         assert np.array_equal(getattr(built, field), getattr(chained, field)), field
-    ragged = trees.chain([3, 4], [[7, 8, 9], [5]], from_copy=[[False, True, True], [False]])
+    ragged = chain([3, 4], [[7, 8, 9], [5]], from_copy=[[False, True, True], [False]])
     assert list(ragged.sizes) == [4, 2] and ragged.parents[1, 2:].tolist() == [-1, -1]
     assert ragged.ranks[0].tolist() == [-1, 0, -1, -1] and ragged.copied[0].tolist() == [False, False, True, True]
 
@@ -87,8 +113,8 @@ def test_copy_branch_merges_with_drafted_nodes():
     for d, t in enumerate([5, 6, 7, 8]):  # the drafter is sure of 5 6 7 8
         logits[0, d, t] = 9.0
     copy = [5, 6, 2, 3]  # shares 5 6, then differs
-    tree = trees.build(mx.array(logits), 7, [1], width=2, copies=[copy], copy_rates=[0.9, 0.9, 0.8, 0.8])
-    path = {tuple(int(tree.tokens[0, j]) for j in trees.ancestry(tree.parents[0], i)[1:]): i
+    tree = trees.build(mx.array(logits), 7, [1], width=2, copies=[copy], copy_rates=[[0.9, 0.9, 0.8, 0.8]])
+    path = {tuple(int(tree.tokens[0, j]) for j in ancestry(tree.parents[0], i)[1:]): i
             for i in range(1, tree.sizes[0])}
     assert tree.sizes[0] == 8 and len(path) == 7  # merged: no token twice under one parent
     for shared in [(5,), (5, 6)]:
@@ -127,7 +153,7 @@ def test_visibility_is_ancestors_and_self():
     R, N = tree.shape
     for r in range(R):
         for i in range(N):
-            seen = set(trees.ancestry(tree.parents[r], i)) if i < tree.sizes[r] else {i}
+            seen = set(ancestry(tree.parents[r], i)) if i < tree.sizes[r] else {i}
             assert set(np.flatnonzero(vis[r, i])) == seen, (r, i)
 
 
@@ -193,7 +219,7 @@ def joined_cache(target: Target, prompts: list[list[int]]) -> tuple[list, list[m
     engine does), and each prompt's last logits."""
     cache, last = None, []
     for prompt in prompts:
-        row = target.make_batch_cache(1)
+        row = target.make_cache(1)
         last.append(target.prefill(mx.array(prompt), row, 8)[0])
         if cache is None:
             cache = row
@@ -230,11 +256,11 @@ def test_tree_forward_equals_its_paths_as_chains(family, rows, shape):
     forward = verify(target, cache, tree)
     for r, prompt in enumerate(prompts):
         for leaf in range(1, tree.sizes[r]):
-            path = trees.ancestry(tree.parents[r], leaf)
+            path = ancestry(tree.parents[r], leaf)
             ref = plain_logits(model, prompt + [int(tree.tokens[r, j]) for j in path])[-len(path):]
             assert mx.allclose(forward.logits[r, mx.array(path)], ref, **TOL).item(), (name, r, leaf)
     # Commit a path through a second-ranked node where there is one, then one plain token.
-    paths = [trees.ancestry(tree.parents[r], max(range(tree.sizes[r]), key=lambda i: (tree.ranks[r, i] > 0, tree.depths[r, i])))
+    paths = [ancestry(tree.parents[r], max(range(tree.sizes[r]), key=lambda i: (tree.ranks[r, i] > 0, tree.depths[r, i])))
              for r in range(rows)]
     hidden = commit(target, cache, forward, paths)
     for r, prompt in enumerate(prompts):
@@ -297,7 +323,7 @@ def test_tree_decoding_equals_mlx_lm(family, sampling):
         starts = [len(p) + len(o) - 1 for p, o in zip(prompts, out)]
         logits = planted_logits(rng, [p + r for p, r in zip(prompts, refs)], starts, 5, target.vocab_size)
         if step % 3 == 2:
-            tree = trees.chain(roots, np.array(mx.argmax(logits, axis=-1)).tolist())
+            tree = chain(roots, np.array(mx.argmax(logits, axis=-1)).tolist())
         else:
             tree = trees.build(logits, [10, 7], roots, width=3)
         forward = verify(target, cache, tree)
@@ -319,4 +345,4 @@ def test_unverified_family_is_refused():
     assert "olmo3" in refusal(target)
     cache, _ = joined_cache(target, [PROMPT])
     with pytest.raises(DFlashError, match="cannot verify a draft tree: .*olmo3"):
-        verify(target, cache, trees.chain([1], [[2, 3]]))
+        verify(target, cache, chain([1], [[2, 3]]))

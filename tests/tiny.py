@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from dflash_mlx.copying import Copy
 from dflash_mlx.policy import PLAIN, Acceptance, BlockPolicy, Plan
@@ -180,37 +180,45 @@ def decode(model, prompt: list[int], max_tokens: int, *, engine_kwargs: dict | N
     return [e.token for e in events], events[-1].stats
 
 
-class OracleDrafter(Drafter):
+class _Oracle:
     """A drafter that knows the answer: the target's own continuation.
 
     It still runs the real drafter forward (so cache bookkeeping is exercised) but replaces its
     logits with a peak on the reference token, corrupting every ``wrong``-th position (0: never)
     so some blocks are rejected part-way. Every row drafts ``reference``; with ``engine`` set, row
     r drafts ``refs[uid]`` of request ``engine.uids[r]`` (prompt + the target's continuation),
-    wrong every ``wrong[uid]``-th position. One-hot rows are built by comparison.
+    wrong every ``wrong[uid]``-th position. A DFlash2 selector picks the peak too (it dwarfs the
+    selector's pairwise term).
     """
 
-    def __init__(self, drafter: Drafter, reference: list[int] | None = None, wrong_every: int = 0):
-        super().__init__(drafter.args)
-        self.update(drafter.parameters())
-        self.reference, self.wrong_every = reference, wrong_every
-        self.refs, self.wrong, self.engine = {}, {}, None
+    def hidden(self, block_embeddings, context_hidden, cache, ops):
+        out = super().hidden(block_embeddings, context_hidden, cache, ops)
+        self._starts = list(cache[0].positions)  # the anchors' positions: context rows are 0..start-1
+        return out
 
-    def __call__(self, block_embeddings, context_hidden, cache, lm_head, ops):
-        logits = super().__call__(block_embeddings, context_hidden, cache, lm_head, ops)
-        R, L = block_embeddings.shape[:2]
+    def logits(self, hidden, lm_head):
+        logits = super().logits(hidden, lm_head)
+        R, L = hidden.shape[:2]
         rows = []
         for r in range(R):
             uid = self.engine.uids[r] if self.engine is not None else None
             ref = self.refs[uid] if uid is not None else self.reference
             every = self.wrong[uid] if uid is not None else self.wrong_every
-            start = cache[0].positions[r]  # the anchor's position: context rows are positions 0..start-1
-            for pos in range(start + 1, start + L):
+            for pos in range(self._starts[r] + 1, self._starts[r] + L + 1):
                 tok = ref[pos] if pos < len(ref) else 0
                 rows.append((tok + 1) % logits.shape[-1] if every and pos % every == 0 else tok)
-        hot = mx.arange(logits.shape[-1]) == mx.array(rows).reshape(R, L - 1, 1)
+        hot = mx.arange(logits.shape[-1]) == mx.array(rows).reshape(R, L, 1)
         # Depends on the real logits (so the forward runs) without their -inf outside a draft vocabulary.
-        return mx.depends(mx.where(hot, 30.0, 0.0), logits)
+        return mx.depends(mx.where(hot, 1000.0, 0.0), logits)
+
+
+def OracleDrafter(drafter: Drafter, reference: list[int] | None = None, wrong_every: int = 0) -> Drafter:
+    """``drafter`` (DFlash or DFlash2, its weights shared) turned into an oracle (``_Oracle``)."""
+    oracle = type(f"Oracle{type(drafter).__name__}", (_Oracle, type(drafter)), {})(drafter.args)
+    oracle.update(drafter.parameters())
+    oracle.reference, oracle.wrong_every = reference, wrong_every
+    oracle.refs, oracle.wrong, oracle.engine = {}, {}, None
+    return oracle
 
 
 # -- released checkpoint layouts ---------------------------------------------------
@@ -334,3 +342,123 @@ def reads_apart_from_next_forward(calls: list[list[mx.array]]) -> bool:
     with a forward's logits (3-d): reading it then waits for its own step alone, not the next."""
     return (any(any(a.ndim == 0 for a in call) for call in calls)
             and not any(any(a.ndim == 0 for a in call) and any(a.ndim == 3 for a in call) for call in calls))
+
+
+# -- servers --------------------------------------------------------------------------------------------
+
+
+def start_server(*argv: str):
+    """``dflash-mlx serve`` in this process, on a free port of 127.0.0.1 (close it with server.close)."""
+    import argparse
+    import threading
+
+    from dflash_mlx.server import add_arguments, make_server
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server = make_server(parser.parse_args(["--port", "0", *argv]))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def metric(port: int, name: str) -> float:
+    """One unlabelled value of the server's /metrics."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def leave_mid_answer(port: int, path: str, body: dict, stream: bool) -> None:
+    """Send a request on a raw socket, and close the connection once it is being answered: once a streamed
+    event arrived, or (not streaming) once the worker is generating."""
+    import socket
+    import time
+
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (path.encode(), len(data), data))
+        if stream:
+            received = b""
+            while b"data: " not in received:
+                received += sock.recv(4096)
+        else:
+            while metric(port, "dflash_requests_active") < 1:
+                time.sleep(0.05)
+
+
+# -- a scripted tool-calling pair (the server's tool, thinking and API tests) --
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", CALL, "<think>", "</think>"]
+TOOL_TEMPLATE = (
+    "{%- if tools %}tools: {% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}assistant: {% for tool_call in m.tool_calls %}"
+    "{%- if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>'
+    "{%- endfor %}\n"
+    "{%- else %}{{ m.role }}: {{ m.content }}\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}assistant:{% if tools and messages[-1].role != 'tool' %}~{% else %} {% endif %}"
+    "{%- endif %}"
+)
+# What follows each token: with tools the prompt ends in "~" (the model calls a tool), without them or after
+# a tool result in " " (it answers).
+TOOL_CHAINS = [["~", "<think>", "h", "m", "</think>", "O", "K", "<tool_call>", CALL, "</tool_call>", "</s>"], [" ", "y", "o", "</s>"]]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def save_scripted_pair(root: Path) -> tuple[str, str]:
+    """A tool-calling pair: a target that writes TOOL_CHAINS greedily, its tokenizer, and a random drafter.
+
+    The target is a tiny llama whose layers add nothing (o_proj and down_proj
+    are zero), so each next token depends on the last token alone; its head is
+    built so that, after the tool-aware generation prompt, greedy decoding
+    writes ``<think>hm</think>OK<tool_call>{...}</tool_call>`` and then EOS. The
+    chat template renders tools and mentions ``<tool_call>`` and
+    ``tool_call.name``, so mlx_lm infers its json_tools parser, as it does for
+    Qwen-style templates.
+    """
+    from mlx_lm.models import llama
+
+    target = root / "scripted"
+    target.mkdir(parents=True)
+    save_tokenizer(target)
+    tok = Tokenizer.from_file(str(target / "tokenizer.json"))
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in TOOL_TOKENS])
+    tok.save(str(target / "tokenizer.json"))
+    config_file = target / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": TOOL_TEMPLATE}))
+    vocab = {t: i for i, t in enumerate(SPECIALS + [chr(i) for i in range(32, 127)] + ["\n"])}
+    vocab.update({t: VOCAB + i for i, t in enumerate(TOOL_TOKENS)})
+    config = dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB + len(TOOL_TOKENS), max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=EOS_ID,
+    )
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    embed = mx.random.normal((config["vocab_size"], 64))
+    x = embed / mx.sqrt(mx.mean(embed * embed, axis=-1, keepdims=True))  # what reaches the head
+    head = mx.zeros_like(embed)
+    for chain in TOOL_CHAINS:
+        for a, b in zip(chain, chain[1:]):
+            head[vocab[b]] = head[vocab[b]] + x[vocab[a]]  # after a, b scores |x|^2 = 64; others ~N(0, 64)
+    weights = dict(tree_flatten(model.parameters()))
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = mx.zeros_like(weights[name])
+    weights.update({"model.embed_tokens.weight": embed, "lm_head.weight": head})
+    mx.save_safetensors(str(target / "model.safetensors"), weights)
+    (target / "config.json").write_text(json.dumps(config))
+    draft = save_drafter(root / "scripted-draft", drafter_config(config, target_layer_ids=[0, 1]))
+    return str(target), str(draft)

@@ -32,13 +32,6 @@ class ContextCache(RaggedKVCache):
         """Per row, the absolute position of its next context row."""
         return [n + d for n, d in zip(self.lengths, self.dropped)]
 
-    @property
-    def offset(self) -> mx.array:
-        if self._offset is None:
-            pad = self._padding or [0] * len(self.lengths)
-            self._offset = mx.array([p - q for p, q in zip(self.positions, pad)])
-        return self._offset
-
     def trim(self, n: int) -> int:
         """Drop the last ``n`` rows of every row (a forward's block), then what the window no longer holds."""
         super().trim(n)

@@ -31,14 +31,21 @@ class RaggedKVCache:
         self.values: mx.array | None = None
         self.lengths = [0] * rows
         self._padding: list[int] | None = None
-        self._offset: mx.array | None = None
+        self._offset: int | mx.array | None = None
 
     @property
-    def offset(self) -> mx.array:
-        """Per row, the absolute position of the next forward's first key (RoPE offset)."""
+    def positions(self) -> list[int]:
+        """Per row, the absolute position of its next token: its length, keys being at their positions."""
+        return self.lengths
+
+    @property
+    def offset(self) -> int | mx.array:
+        """The absolute position of the next forward's first key (RoPE offset): per row, or one
+        number for a single row (what mlx_lm's own caches give, and cheaper to rotate by)."""
         if self._offset is None:
             pad = self._padding or [0] * len(self.lengths)
-            self._offset = mx.array([n - p for n, p in zip(self.lengths, pad)])
+            offsets = [n - p for n, p in zip(self.positions, pad)]
+            self._offset = offsets[0] if len(offsets) == 1 else mx.array(offsets)
         return self._offset
 
     def _set_lengths(self, lengths: list[int]) -> None:

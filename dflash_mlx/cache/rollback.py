@@ -16,9 +16,8 @@ decoding of the committed tokens would leave it. How depends on the cache type:
   returned. Rollback restores the snapshot and replays the accepted rows through
   mlx_lm's own layer with the projections played back from the record, so a
   replay costs the short conv and ``n + 1`` recurrence steps, no matmul.
-  Measured (benchmarks/bench_rollback.py, fp32 CPU, hidden 512, 8 layers): 5-30%
-  of the verify forward, growing with the rows kept; re-running the target on
-  the accepted rows instead costs 40-110%. Keeping every per-step recurrent
+  A replay costs a fraction of the verify forward (benchmarks/bench_rollback.py);
+  re-running the target on the accepted rows instead costs most of one. Keeping every per-step recurrent
   state would make rollback free but costs ``B * Hv * Dv * Dk`` fp32 per layer
   (Qwen3-Next-80B, 36 such layers of 32 x 128 x 128: 1.2 GB at B = 16, and it
   needs a recurrence of our own); the record holds ``B`` projection rows

@@ -4,7 +4,7 @@ Rank 0 listens on a TCP port, announced to the others with one all_sum at start,
 every other rank connects to it (a star). Rank 0 sends each target operation down these
 connections before running its own share of it. The other ranks block on a socket read
 between operations, so an idle server costs them no CPU: a rank waiting inside an MLX
-ring collective spins (measured: half a core).
+ring collective spins.
 
 Faults. MLX's ring collectives fail within milliseconds when a peer's socket closes (a
 killed rank), but block forever on a peer that stops answering (suspended, hung,

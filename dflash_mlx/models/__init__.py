@@ -18,12 +18,12 @@ from mlx.utils import tree_flatten
 
 from ..checkpoint import load_weights, read_config, resolve
 from ..copying import load_corpus, save_corpus
-from .dflash import Attention, Drafter, DrafterArgs, config_error, default_target_layer_ids
+from .dflash import DEFAULT_DRAFT_WINDOW, Attention, Drafter, DrafterArgs, config_error, default_target_layer_ids
 from .dflash2 import DFlash2Args, DFlash2Drafter
 from ..errors import DFlashError
 
 __all__ = [
-    "Attention", "Drafter", "DrafterArgs", "default_target_layer_ids", "is_drafter_config",
+    "DEFAULT_DRAFT_WINDOW", "Attention", "Drafter", "DrafterArgs", "default_target_layer_ids", "is_drafter_config",
     "drafter_classes", "load_drafter", "drafter_config", "save_drafter",
 ]
 
@@ -94,7 +94,7 @@ def load_drafter(path_or_repo: str, dtype: mx.Dtype | None = None) -> Drafter:
 
 # Written inside dflash_config, where the official loader reads them.
 _DFLASH_KEYS = ("target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier",
-                "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+                "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "draft_window")
 
 
 def drafter_config(drafter: Drafter) -> dict:

@@ -15,7 +15,6 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
@@ -23,6 +22,9 @@ from ..cache.context import ContextCache
 from ..errors import DFlashError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# The drafter context window (keep, recent) of checkpoints that record none and have full-attention
+# layers; the best measured on the built-in pair after 1k-4k-token prompts (benchmarks/results/README.md).
+DEFAULT_DRAFT_WINDOW = (16, 256)
 # Sizes that must be positive integers; the rest of the fields are checked by type only.
 _POSITIVE = {
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -87,6 +89,10 @@ class DrafterArgs:
     final_logit_softcapping: float | None = None
     # Our extension: the drafter proposes only these many (frequent) token ids.
     draft_vocab_size: int | None = None
+    # Our extension (``dflash_config.draft_window``): [keep, recent], the context window the drafter
+    # reads by default (the first ``keep`` and the last ``recent`` context rows before a block):
+    # the one ``train --draft-window`` trained it with, or one chosen by measured acceptance.
+    draft_window: list[int] | None = None
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
@@ -151,6 +157,11 @@ class DrafterArgs:
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise config_error("sliding_window", "is missing but layer_types has sliding_attention layers",
                                    "set sliding_window (the window in tokens)")
+        if self.draft_window is not None:
+            w = self.draft_window
+            if len(w) != 2 or w[0] < 0 or w[1] < 1:
+                raise config_error("dflash_config.draft_window", f"is {w}, not [keep, recent] with keep >= 0 and "
+                                   "recent >= 1", "write the window the drafter was trained with, e.g. [16, 256]")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise config_error("dflash_config.target_layer_ids", f"is {self.target_layer_ids}, not a list of "
                                "target layer indices")
@@ -159,6 +170,18 @@ class DrafterArgs:
             make_rope(self)
         except (ValueError, KeyError, TypeError) as e:
             raise config_error(rope_key, f"is not a RoPE setting mlx_lm supports ({type(e).__name__}: {e})") from None
+
+    def context_window(self) -> tuple[int, int]:
+        """The drafter context window (keep, recent) to use by default: the one recorded in the
+        checkpoint (``train`` writes the window it trained with); for a drafter whose every layer
+        has a sliding window, (0, window - 1), the most any block row sees; else
+        ``DEFAULT_DRAFT_WINDOW``."""
+        if self.draft_window is not None:
+            return tuple(self.draft_window)
+        windows = [self.sliding_window_of(i) for i in range(self.num_hidden_layers)]
+        if None not in windows:
+            return 0, max(windows) - 1
+        return DEFAULT_DRAFT_WINDOW
 
     def sliding_window_of(self, layer: int) -> int | None:
         if self.layer_types and self.layer_types[layer] == "sliding_attention":
@@ -317,6 +340,8 @@ class Drafter(nn.Module):
 
     def absorb(self, context_hidden: mx.array, cache: list[ContextCache]) -> None:
         """Take in context rows (B, n, k*H) without drafting: each layer stores their K/V."""
+        if not context_hidden.shape[1]:
+            return
         context = self._context(context_hidden)
         for layer, c in zip(self.layers, cache):
             layer.self_attn.absorb(context, c)
@@ -393,8 +418,8 @@ class Drafter(nn.Module):
         vocabulary (None for a deterministic pick), and the softmax probability of each row's top
         score, the drafter's confidence in its pick (lazy: read only where a copy is weighed
         against it). The rest of the vocabulary scores -inf: a sampler's softmax, top-p sort and
-        draw over all V ids cost ~4x more (a batch of 8 rows x 7 proposals at temperature 1: 122
-        vs 30 ms on this CPU, 49,152 ids vs 8,192), the confidence's exponentials likewise."""
+        draw over all V ids cost several times more than over a draft vocabulary, the confidence's
+        exponentials likewise."""
         rows = self.vocab_rows
         scores = logits if rows is None else mx.take(logits, rows, axis=-1)
         picks, q = propose(scores, columns=rows)

@@ -1,10 +1,11 @@
-"""``dflash-mlx serve``: an OpenAI-compatible HTTP server with DFlash decoding.
+"""``dflash-mlx serve``: an HTTP server with DFlash decoding for OpenAI's and Anthropic's clients.
 
-Requests and responses follow mlx_lm.server where they overlap
+OpenAI chat and text completions follow mlx_lm.server where they overlap
 (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, tool calls,
-``--allowed-origins``, ``--chat-template``). This module is the command: its
-flags, start-up (bind first, then load the model on the worker thread) and
-shutdown. SIGINT/SIGTERM end the jobs in flight (their clients get a 503 or an
+``--allowed-origins``, ``--chat-template``); Anthropic's Messages API
+(``/v1/messages``) and OpenAI's Responses API (``/v1/responses``) share their
+pipeline (docs/serving.md). This module is the command: its flags, start-up
+(bind first, then load the model on the worker thread) and shutdown. SIGINT/SIGTERM end the jobs in flight (their clients get a 503 or an
 error event), join the worker (an MLX thread must not meet interpreter
 teardown) and exit 130 or 0; a second signal exits at once.
 
@@ -26,12 +27,13 @@ from typing import Any
 
 from ..errors import DFlashError, one_line
 from ..flags import (add_block_arguments, add_sampling_arguments, add_sharding_arguments, byte_size, non_negative_int,
-                     port_arg, positive_int)
+                     port_arg, positive_int, resolve_pair)
+from .http import DRAIN_SECONDS, App, Server
 from .protocol import ServerInfo, check_flags
-from .http import App, Server
+from .responses import ResponseStore
 from .worker import Metrics, Worker
 
-DRAIN_SECONDS = 10.0  # how long a shutdown waits for handlers to write their last bytes
+API_KEY_VARIABLE = "DFLASH_MLX_API_KEY"
 SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
@@ -59,9 +61,16 @@ def chat_template_arg(text: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Target model: local folder or Hub repo id")
-    p.add_argument("--draft", required=True, help="DFlash drafter: local folder or Hub repo id")
+    p.add_argument("--model", default=None,
+                   help="Target model: local folder or Hub repo id (default, with no --draft: the built-in pair)")
+    p.add_argument("--draft", default=None, help="DFlash drafter: local folder or Hub repo id")
     p.add_argument("--host", default="127.0.0.1", help="Address to listen on")
+    p.add_argument("--api-key", default=None,
+                   help=f"Require this key on every route but /health (Authorization: Bearer KEY, or x-api-key: KEY); "
+                        f"default: the {API_KEY_VARIABLE} environment variable, else no key")
+    p.add_argument("--response-store-size", type=non_negative_int, default=100,
+                   help="Most responses /v1/responses keeps for previous_response_id and GET (least recently used "
+                        "out first; 0: none)")
     p.add_argument("--port", type=port_arg, default=8080, help="Port to listen on (0: any free port)")
     p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=["*"],
                    help="Comma-separated origins browsers may call from (CORS; default: *)")
@@ -92,6 +101,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sharding_arguments(p)
 
 
+def resolve_api_key(flag: str | None) -> str | None:
+    """The key requests must carry: ``--api-key``, else the environment variable, else none."""
+    key = flag if flag is not None else os.environ.get(API_KEY_VARIABLE) or None
+    if key is not None and (not key or not key.isascii() or not key.isprintable() or key != key.strip()):
+        raise DFlashError("the API key must be printable ASCII without surrounding spaces (an HTTP header carries it)")
+    return key
+
+
 def make_server(args: argparse.Namespace) -> Server:
     """Bind, then load the model on the worker thread; the server is ready but not yet serving."""
     import mlx.core as mx
@@ -99,12 +116,15 @@ def make_server(args: argparse.Namespace) -> Server:
     from ..model import MAX_BLOCK_SIZE
 
     check_flags(args)
+    resolve_pair(args)
+    api_key = resolve_api_key(args.api_key)
     if args.block_size is None:  # coupled sampling keeps a seeded request's text at every block size
         args.block_size = "auto"
     defaults = {"temperature": args.temp, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
     metrics = Metrics()
     worker = Worker(args, metrics)
-    app = App(worker, metrics, args.model, args.allowed_origins, fingerprint=f"dflash-mlx-mlx-{mx.__version__}")
+    app = App(worker, metrics, args.model, args.allowed_origins, fingerprint=f"dflash-mlx-mlx-{mx.__version__}",
+              api_key=api_key, store=ResponseStore(args.response_store_size))
     try:  # before loading: a busy port is reported at once, and no MLX thread is left behind
         server = Server((args.host, args.port), app)
     except OSError as e:
@@ -145,7 +165,7 @@ def stop_worker(worker: Worker) -> None:
 
 def close(server: Server) -> None:
     """End what is in flight, join the worker, and release the socket."""
-    server.closing = True
+    server.shutdown()
     stop_worker(server.app.worker)
     if not server.app.wait_idle(DRAIN_SECONDS):
         logging.warning("%d answers were still being written at exit", server.app.busy)

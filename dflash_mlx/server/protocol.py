@@ -132,11 +132,16 @@ class Field:
     check: Callable[[Any, "ServerInfo"], Any] | None = None
 
 
-def _stop(value: Any, info: "ServerInfo") -> list[str]:
-    stops = [value] if isinstance(value, str) else value
-    if len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-        raise RequestError(400, f"stop must be a string or up to {MAX_STOPS} strings of 1-{MAX_STOP_CHARS} characters", "stop")
-    return stops
+def stop_list(name: str) -> Callable[[Any, "ServerInfo"], list[str]]:
+    """The check of a field holding stop strings (a string, or a list of them, where the API allows)."""
+
+    def check(value: Any, info: "ServerInfo") -> list[str]:
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise RequestError(400, f"{name} must be a string or up to {MAX_STOPS} strings of 1-{MAX_STOP_CHARS} characters", name)
+        return stops
+
+    return check
 
 
 def _stream_options(value: dict, info: "ServerInfo") -> dict:
@@ -157,10 +162,15 @@ def _logit_bias(value: dict, info: "ServerInfo") -> dict[int, float]:
     return bias
 
 
-def _max_tokens(value: int, info: "ServerInfo") -> int:
-    if info is not None and value > info.context_length:
-        raise RequestError(400, f"max_tokens must be at most {info.context_length}, the model's context length", "max_tokens")
-    return value
+def max_tokens_check(name: str) -> Callable[[int, "ServerInfo"], int]:
+    """The check of a field bounding the generated tokens: no more than the model's context length."""
+
+    def check(value: int, info: "ServerInfo") -> int:
+        if info is not None and value > info.context_length:
+            raise RequestError(400, f"{name} must be at most {info.context_length}, the model's context length", name)
+        return value
+
+    return check
 
 
 def _num_draft_tokens(value: int, info: "ServerInfo") -> int:
@@ -199,8 +209,8 @@ FIELDS = {f.name: f for f in [
     Field("model", str, "default_model"),
     Field("messages", list, lo=1, hi=MAX_MESSAGES, route="chat", required=True),
     Field("prompt", (str, list), route="text", required=True),
-    Field("max_tokens", int, lo=1, check=_max_tokens),
-    Field("max_completion_tokens", int, lo=1, check=_max_tokens),
+    Field("max_tokens", int, lo=1, check=max_tokens_check("max_tokens")),
+    Field("max_completion_tokens", int, lo=1, check=max_tokens_check("max_completion_tokens")),
     Field("temperature", NUMBER, 0.0, lo=0, hi=100, tiny=1e-6),
     Field("top_p", NUMBER, 1.0, lo=0, hi=1, above=True),
     Field("top_k", int, 0, lo=0),
@@ -214,7 +224,7 @@ FIELDS = {f.name: f for f in [
     Field("frequency_penalty", NUMBER, 0.0, lo=-2, hi=2),
     Field("frequency_context_size", int, 20, lo=0, hi=MAX_CONTEXT_SIZE),
     Field("logit_bias", dict, check=_logit_bias),
-    Field("stop", (str, list), [], check=_stop),
+    Field("stop", (str, list), [], check=stop_list("stop")),
     Field("seed", int, None, lo=INT64[0], hi=INT64[1], check=_seed),
     Field("stream", bool, False),
     Field("stream_options", dict, {}, check=_stream_options),
@@ -287,20 +297,22 @@ def check_flags(args: Any, flags: dict[str, str] = SAMPLING_FLAGS) -> None:
             raise DFlashError(f"{flag} {value}: {e}") from None
 
 
-def read_fields(body: Any, kind: str, info: "ServerInfo") -> dict[str, Any]:
-    """Every field of ``body`` checked against ``FIELDS``, with defaults filled in."""
+def read_fields(body: Any, kind: str, info: "ServerInfo", table: dict[str, Field] = FIELDS,
+                unsupported: dict[str, str] = UNSUPPORTED) -> dict[str, Any]:
+    """Every field of ``body`` checked against ``table`` (OpenAI's completion fields unless given), with defaults
+    filled in; a field in ``unsupported`` is refused with its reason, one in neither table by its name."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     body = {k: v for k, v in body.items() if v is not None}  # null means "not given"
     for key in body:
-        if key in UNSUPPORTED:
-            raise RequestError(400, f"unsupported parameter {key!r}: {UNSUPPORTED[key]}", key)
-        f = FIELDS.get(key)
+        if key in unsupported:
+            raise RequestError(400, f"unsupported parameter {key!r}: {unsupported[key]}", key)
+        f = table.get(key)
         if f is None or f.route not in ("", kind):
             where = f" on /v1/{'chat/' if kind == 'chat' else ''}completions" if f else ""
             raise RequestError(400, f"unsupported parameter {key!r}{where}", key)
     values = {}
-    for name, f in FIELDS.items():
+    for name, f in table.items():
         if f.route in ("", kind):
             if f.required and name not in body:
                 raise RequestError(400, f"{name} is required", name)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DFlashError, one_line
-from .protocol import ROLES, RequestError, ServerInfo, decode_json, read_fields
+from .protocol import FIELDS, ROLES, RequestError, ServerInfo, decode_json, read_fields
 
 
 def render_chat(tokenizer: Any, messages: list[dict], tools: list | None = None, **kwargs) -> str:
@@ -97,13 +97,14 @@ def _tools(tools: list, tokenizer: Any) -> list[dict] | None:
     return tools
 
 
-def _chat_prompt(values: dict, info: ServerInfo) -> tuple[list[int], list[dict] | None]:
-    messages, tools = _messages(values["messages"]), _tools(values["tools"], info.tokenizer)
+def chat_prompt(messages: list, tools: list | None, template_kwargs: dict, info: ServerInfo) -> list[int]:
+    """OpenAI-shaped ``messages`` and ``tools`` (checked here) rendered by the chat template and tokenized."""
+    messages, tools = _messages(messages), _tools(tools, info.tokenizer)
     try:
         with info.lock:
-            text = render_chat(info.tokenizer, messages, tools, **values["chat_template_kwargs"])
+            text = render_chat(info.tokenizer, messages, tools, **template_kwargs)
             # The template writes any special tokens itself, as mlx_lm.server's tokenized template does.
-            return info.tokenizer.encode(text, add_special_tokens=False), tools
+            return info.tokenizer.encode(text, add_special_tokens=False)
     except DFlashError as e:
         fix = "use /v1/completions" if not info.tokenizer.has_chat_template else "check the roles and contents"
         raise RequestError(400, f"{e}: {fix}", "messages") from None
@@ -157,10 +158,10 @@ class Request:
 def _logits_arguments(values: dict) -> dict:
     arguments = {}
     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-        if values[name]:
+        if values.get(name):
             context = name.split("_")[0] + "_context_size"
             arguments[name], arguments[context] = values[name], values[context]
-    if values["logit_bias"]:
+    if values.get("logit_bias"):
         arguments["logit_bias"] = values["logit_bias"]
     return arguments
 
@@ -173,19 +174,15 @@ def _initial_state(prompt: list[int], tokenizer: Any) -> str:
     return tokenizer.response_initial_state or state
 
 
-def parse_request(body: Any, kind: str, info: ServerInfo) -> Request:
-    """Check a completion request body (parsed JSON) and tokenize its prompt; ``RequestError`` if it is bad."""
-    values = read_fields(body, kind, info)
-    if values["model"] not in info.model_names:
-        message = f"model {values['model']!r} not found: this server serves {info.model_id!r}"
-        raise RequestError(404, message, "model", "model_not_found")
-    tools, state = None, "normal"
-    if kind == "chat":
-        prompt, tools = _chat_prompt(values, info)
-        state = _initial_state(prompt, info.tokenizer)
-    else:
-        prompt = _text_prompt(values, info)
-    where = "messages" if kind == "chat" else "prompt"
+def check_model(name: str, info: ServerInfo) -> None:
+    if name not in info.model_names:
+        raise RequestError(404, f"model {name!r} not found: this server serves {info.model_id!r}", "model", "model_not_found")
+
+
+def make_request(kind: str, values: dict, prompt: list[int], info: ServerInfo, *, where: str, stop: list[str],
+                 tools: list[dict] | None = None, include_usage: bool = False) -> Request:
+    """The internal request every API maps to: ``values`` holds the sampling fields by their OpenAI names
+    (absent ones take the operator's defaults) and ``max_tokens``; ``where`` names the prompt's field in errors."""
     if not prompt:
         raise RequestError(400, "the prompt is empty after tokenization", where)
     if len(prompt) > info.max_prompt_tokens:
@@ -194,11 +191,33 @@ def parse_request(body: Any, kind: str, info: ServerInfo) -> Request:
             f"the prompt is {len(prompt)} tokens; this server takes at most {info.max_prompt_tokens} (--max-prompt-tokens)",
             where, "context_length_exceeded",
         )
-    max_tokens = values["max_tokens"] or values["max_completion_tokens"] or info.max_tokens
+
+    def value(name: str) -> Any:
+        given = values.get(name)
+        return given if given is not None else info.defaults.get(name, FIELDS[name].default)
+
+    draft = values.get("num_draft_tokens")
     params = GenerationParams(
-        prompt, max_tokens, values["temperature"], values["top_p"], values["top_k"], values["min_p"],
-        values["xtc_probability"], values["xtc_threshold"], _logits_arguments(values), values["seed"],
-        None if values["num_draft_tokens"] is None else values["num_draft_tokens"] + 1,
+        prompt, values.get("max_tokens") or info.max_tokens, value("temperature"), value("top_p"), value("top_k"),
+        value("min_p"), value("xtc_probability"), value("xtc_threshold"), _logits_arguments(values), values.get("seed"),
+        None if draft is None else draft + 1,
     )
+    state = _initial_state(prompt, info.tokenizer) if kind == "chat" else "normal"
+    return Request(kind, values.get("model") or "default_model", bool(values.get("stream")), include_usage, stop, tools,
+                   state, params)
+
+
+def parse_request(body: Any, kind: str, info: ServerInfo) -> Request:
+    """Check an OpenAI completion request body (parsed JSON) and tokenize its prompt; ``RequestError`` if it is bad."""
+    values = read_fields(body, kind, info)
+    check_model(values["model"], info)
+    tools = None
+    if kind == "chat":
+        tools = values["tools"] or None
+        prompt = chat_prompt(values["messages"], tools, values["chat_template_kwargs"], info)
+    else:
+        prompt = _text_prompt(values, info)
+    values["max_tokens"] = values["max_tokens"] or values["max_completion_tokens"]
     include_usage = values["stream_options"].get("include_usage", False)
-    return Request(kind, values["model"], values["stream"], include_usage, values["stop"], tools, state, params)
+    return make_request(kind, values, prompt, info, where="messages" if kind == "chat" else "prompt",
+                        stop=values["stop"], tools=tools, include_usage=include_usage)

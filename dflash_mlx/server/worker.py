@@ -45,6 +45,7 @@ class Metrics:
         self.generation_seconds = 0.0
         self.steps = self.step_tokens = self.plain_steps = 0
         self.drafted_tokens = self.copied_tokens = self.corpus_copied_tokens = 0
+        self.tree_steps = self.tree_nodes = self.off_chain_steps = 0
         self.last_tps = 0.0
         self.last_speculative = 0
         self.batching: str | None = "not started"  # None when requests are batched, else why not
@@ -71,6 +72,10 @@ class Metrics:
                 ("steps_total", "counter", "Decode steps", self.steps),
                 ("plain_steps_total", "counter", "Steps decoded without a draft (block size 1)", self.plain_steps),
                 ("drafted_tokens_total", "counter", "Accepted tokens the drafter proposed", self.drafted_tokens),
+                ("tree_steps_total", "counter", "Steps that verified draft trees", self.tree_steps),
+                ("tree_nodes_total", "counter", "Nodes of those trees, roots included", self.tree_nodes),
+                ("tree_off_chain_steps_total", "counter",
+                 "Tree steps whose accepted path left the drafter's top choices", self.off_chain_steps),
                 ("copied_tokens_total", "counter", "Accepted tokens copied from earlier text", self.copied_tokens),
                 ("corpus_copied_tokens_total", "counter", "Of the copied tokens, those from the drafter's corpus",
                  self.corpus_copied_tokens),
@@ -187,7 +192,8 @@ class Worker(threading.Thread):
         prefill = getattr(self.args, "prefill_step_size", None) or (2048 if concurrency == 1 else 512)
         engine = Engine(self.model, block_size=self.args.block_size, max_rows=concurrency, prefill_step_size=prefill,
                         prompt_cache=self.prompt_cache, copy_proposals=getattr(self.args, "copy_proposals", True),
-                        draft_window=getattr(self.args, "draft_window", None))
+                        draft_window=getattr(self.args, "draft_window", "auto"),
+                        tree_budget=getattr(self.args, "tree_budget", "auto"))
         self.metrics.engine = engine.stats
         self.metrics.batching = None if engine.stats.batched else engine.stats.reason
         return engine
@@ -298,6 +304,9 @@ class Worker(threading.Thread):
             m.step_tokens += sum(s.acceptance_lengths)
             m.plain_steps += sum(1 for b in s.block_sizes if b == 1)
             m.drafted_tokens += s.drafted
+            m.tree_steps += s.tree_steps
+            m.tree_nodes += s.tree_nodes
+            m.off_chain_steps += s.off_chain
             m.copied_tokens += s.copied
             m.corpus_copied_tokens += s.corpus_copied
             m.last_tps = r.generation_tps

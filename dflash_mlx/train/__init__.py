@@ -36,9 +36,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..copying import corpus_index
-from .data import cached_hidden, draft_vocabulary, generate_responses, load_prompts, make_batch, sequences
+from .data import cached_hidden, draft_vocabulary, generate_responses, load_prompts, make_batch, prompt_ids, sequences
 from ..models import Attention, Drafter, DrafterArgs, default_target_layer_ids, load_drafter, save_drafter
 from ..errors import DFlashError
+from ..flags import draft_window_arg
 from ..model import check_pair, load_target
 from ..target import Target
 
@@ -54,19 +55,34 @@ def default_gamma(block_size: int) -> float:
 # Training forward: the inference forward of Drafter, for many blocks at once
 
 
-def block_mask(anchors: mx.array, context_len: int, block_size: int) -> mx.array:
-    """(S, 1, N*B, T + N*B) boolean mask: block j sees context rows before anchor j and itself."""
+def context_positions(context_len: int, tail_start: mx.array, keep: int = 0) -> mx.array:
+    """(S, C) positions of the context rows: the first ``keep`` are positions 0..keep-1, the rest
+    run on from ``tail_start`` (S,) (0 and everything in one run without a window)."""
+    rows = mx.arange(context_len)[None]
+    return mx.where(rows < keep, rows, tail_start[:, None] + rows - keep)
+
+
+def block_mask(anchors: mx.array, positions: mx.array, block_size: int,
+               window: tuple[int, int] | None = None) -> mx.array:
+    """(S, 1, N*B, C + N*B) boolean mask: block j sees the context rows before anchor j (with a
+    ``window`` (keep, recent), only the first keep positions and the last recent before it) and itself."""
     S, N = anchors.shape
-    sees_context = mx.arange(context_len)[None, None, :] < anchors[:, :, None]  # (S, N, T)
-    sees_context = mx.repeat(sees_context, block_size, axis=1)  # (S, N*B, T)
+    before = anchors[:, :, None]
+    pos = positions[:, None, :]  # (S, 1, C)
+    sees_context = pos < before  # (S, N, C)
+    if window is not None:
+        keep, recent = window
+        sees_context = sees_context & ((pos < keep) | (pos >= before - recent))
+    sees_context = mx.repeat(sees_context, block_size, axis=1)  # (S, N*B, C)
     block_id = mx.arange(N * block_size) // block_size
     sees_block = block_id[:, None] == block_id[None, :]  # (N*B, N*B)
     sees_block = mx.broadcast_to(sees_block, (S, N * block_size, N * block_size))
     return mx.concatenate([sees_context, sees_block], axis=-1)[:, None]
 
 
-def _attention(attn: Attention, x: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
-    """``Attention.__call__`` for (S, N, B, H) blocks over (S, T, H) context rows."""
+def _attention(attn: Attention, x: mx.array, context: mx.array, anchors: mx.array, mask: mx.array,
+               tail_start: mx.array, keep: int) -> mx.array:
+    """``Attention.__call__`` for (S, N, B, H) blocks over (S, C, H) context rows (see ``context_positions``)."""
     S, N, B, _ = x.shape
 
     def heads(h, n, rows):  # -> (rows, n, len, head_dim)
@@ -75,13 +91,15 @@ def _attention(attn: Attention, x: mx.array, context: mx.array, anchors: mx.arra
     def per_sequence(h):  # (S*N, n, B, d) -> (S, n, N*B, d)
         return h.reshape(S, N, h.shape[1], B, -1).transpose(0, 2, 1, 3, 4).reshape(S, h.shape[1], N * B, -1)
 
-    # Block rows sit at absolute positions anchor..anchor+B-1, context rows at 0..T-1.
+    # Block rows sit at absolute positions anchor..anchor+B-1; context rows as context_positions says.
     offsets = anchors.reshape(-1)
     xb = x.reshape(S * N, B, -1)
     q = attn.rope(attn.q_norm(heads(attn.q_proj(xb), attn.n_heads, S * N)), offset=offsets)
     kb = attn.rope(attn.k_norm(heads(attn.k_proj(xb), attn.n_kv_heads, S * N)), offset=offsets)
     vb = heads(attn.v_proj(xb), attn.n_kv_heads, S * N)
-    kc = attn.rope(attn.k_norm(heads(attn.k_proj(context), attn.n_kv_heads, S)))
+    kc = attn.k_norm(heads(attn.k_proj(context), attn.n_kv_heads, S))
+    tail = attn.rope(kc[:, :, keep:], offset=tail_start)
+    kc = mx.concatenate([attn.rope(kc[:, :, :keep]), tail], axis=2) if keep else tail
     vc = heads(attn.v_proj(context), attn.n_kv_heads, S)
     k = mx.concatenate([kc, per_sequence(kb)], axis=2)
     v = mx.concatenate([vc, per_sequence(vb)], axis=2)
@@ -91,33 +109,37 @@ def _attention(attn: Attention, x: mx.array, context: mx.array, anchors: mx.arra
 
 
 def training_hidden(
-    drafter: Drafter, context_hidden: mx.array, block_embeddings: mx.array, anchors: mx.array
+    drafter: Drafter, context_hidden: mx.array, block_embeddings: mx.array, anchors: mx.array,
+    window: tuple[int, int] | None = None, tail_start: mx.array | None = None,
 ) -> mx.array:
     """Final-normed drafter states (S, N, B-1, H) at block positions 1..B-1.
 
-    context_hidden: (S, T, k*H) target hidden states of each sequence;
+    context_hidden: (S, C, k*H) target hidden states of each sequence: all its rows from position
+    0 on, or with ``window`` (keep, recent) its first keep rows followed by a run from ``tail_start``
+    (S,) (``data.make_batch`` drops the rows no block can see);
     block_embeddings: (S, N, B, H) embeddings of ``[x_anchor, MASK...]``;
-    anchors: (S, N) anchor positions. Same math as ``Drafter.__call__`` run once
-    per block with the context rows before the anchor.
+    anchors: (S, N) anchor positions. Same math as ``Drafter.__call__`` run once per block with
+    the context rows before the anchor (within the window: the first keep and the last recent).
     """
     if drafter.architecture != Drafter.architecture:
         raise DFlashError(f"training {drafter.architecture} drafters is not supported yet: train a DFlashDraftModel")
     if any(layer.self_attn.sliding_window for layer in drafter.layers):
         raise DFlashError("training drafters with sliding-window layers is not supported: drop layer_types")
-    B = block_embeddings.shape[2]
+    S, _, B, _ = block_embeddings.shape
+    keep, tail_start = window[0] if window else 0, mx.zeros((S,), mx.int32) if tail_start is None else tail_start
     context = drafter.hidden_norm(drafter.fc(context_hidden))
-    mask = block_mask(anchors, context.shape[1], B)
+    mask = block_mask(anchors, context_positions(context.shape[1], tail_start, keep), B, window)
     h = block_embeddings
     for layer in drafter.layers:
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), context, anchors, mask)
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), context, anchors, mask, tail_start, keep)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return drafter.norm(h)[:, :, 1:]
 
 
-def loss_fn(drafter, target, head, context, block_tokens, anchors, columns, valid, weights):
+def loss_fn(drafter, target, head, context, tail_start, block_tokens, anchors, columns, valid, weights, window):
     """``columns``: each label's column in ``head`` (-1: not in the draft vocabulary,
     so unpredictable: no loss, and counted as a miss)."""
-    h = training_hidden(drafter, context, target.embed(block_tokens), anchors)
+    h = training_hidden(drafter, context, target.embed(block_tokens), anchors, window, tail_start)
     logits = head(h)
     w = weights * (valid & (columns >= 0))
     loss = (nn.losses.cross_entropy(logits, mx.maximum(columns, 0)) * w).sum() / w.sum()
@@ -227,7 +249,8 @@ def default_mask_token(tokenizer) -> int:
     return 0
 
 
-def evaluate_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[str], max_tokens: int, progress=None) -> dict:
+def evaluate_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[str | list[dict]], max_tokens: int,
+                 progress=None, draft_window: tuple[int, int] | None = None) -> dict:
     """Real greedy DFlash generations on held-out prompts: tau = tokens / steps."""
     from ..generation import stream_generate
     from ..model import DFlashModel
@@ -235,10 +258,9 @@ def evaluate_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[str]
     model = DFlashModel(target, drafter)
     lengths: list[int] = []
     for prompt in prompts:
-        if tokenizer.chat_template is not None:
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        prompt = prompt_ids(tokenizer, prompt)
         response = None
-        for response in stream_generate(model, tokenizer, prompt, max_tokens):
+        for response in stream_generate(model, tokenizer, prompt, max_tokens, draft_window=draft_window):
             pass
         lengths += response.stats.acceptance_lengths
         if progress is not None:
@@ -300,6 +322,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="Target layers fed to the drafter")
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="Propose only the N most frequent answer tokens (faster drafts and training; default: all)")
+    p.add_argument("--draft-window", type=draft_window_arg, default=None, metavar="KEEP:RECENT",
+                   help="Blocks read the first KEEP and last RECENT context rows before them; recorded in the "
+                        "checkpoint as its default (default: the --init drafter's, else the whole context)")
+    p.add_argument("--max-prompt-tokens", type=int, default=256,
+                   help="Longer prompts are left out (raise it for the long sources docs, code, chats)")
     p.add_argument("--block-size", type=int, default=None,
                    help="Draft block size B (anchor + B-1 proposals; default: the --init drafter's, else 16)")
     p.add_argument("--gamma", type=float, default=None, help="Loss decay over block positions (default: 7/5/4 for B 16/10/8)")
@@ -340,7 +367,8 @@ def run(args: argparse.Namespace) -> None:
     tic = time.perf_counter()
     with tqdm(desc="target answers", unit="prompt", dynamic_ncols=True) as bar:
         records = generate_responses(model, tokenizer, train_prompts, out / "data.jsonl",
-                                     max_tokens=args.max_response_tokens, batch_size=args.gen_batch_size, progress=bar)
+                                     max_tokens=args.max_response_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                                     batch_size=args.gen_batch_size, progress=bar)
     records = [r for r in records if r["id"] < len(train_prompts)]
     data_seconds = time.perf_counter() - tic
 
@@ -351,6 +379,9 @@ def run(args: argparse.Namespace) -> None:
     earlier = drafter.corpus.tokens if drafter.corpus is not None else []
     drafter.corpus = corpus_index(earlier + [t for r in records for t in r["response_ids"]])
     dargs = drafter.args
+    # Blocks see the context through the window the drafter reads at inference; the checkpoint records it.
+    window = args.draft_window or (tuple(dargs.draft_window) if dargs.draft_window else None)
+    dargs.draft_window = list(window) if window else None
     target = Target(model, dargs.target_layer_ids)
     model.freeze()
     # Beside the checkpoint, in shards a rerun with more prompts extends.
@@ -370,11 +401,12 @@ def run(args: argparse.Namespace) -> None:
     gamma = args.gamma or default_gamma(B)
     weights = mx.exp(-mx.arange(B - 1, dtype=mx.float32) / gamma)
     head, columns = target.head(drafter.vocab_rows), label_columns(drafter.vocab_rows, dargs.vocab_size)
-    grad_fn = nn.value_and_grad(drafter, lambda *a: loss_fn(drafter, target, head, *a, weights))
+    grad_fn = nn.value_and_grad(drafter, lambda *a: loss_fn(drafter, target, head, *a, weights, window))
 
     def train_step(batch):
-        context, first, anchors, labels, valid = batch
-        (loss, correct), grads = grad_fn(context, block_tokens(first, B, dargs.mask_token_id), anchors, columns[labels], valid)
+        context, tail_start, first, anchors, labels, valid = batch
+        (loss, correct), grads = grad_fn(context, tail_start, block_tokens(first, B, dargs.mask_token_id), anchors,
+                                         columns[labels], valid)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(drafter, grads)
         return loss, correct
@@ -390,11 +422,12 @@ def run(args: argparse.Namespace) -> None:
         while step < args.steps:
             epoch, k = divmod(step, len(batches))
             order = np.random.default_rng([args.seed, epoch]).permutation(len(batches))
-            batch = make_batch(seqs, hidden, batches[order[k]], np.random.default_rng([args.seed, 1, step]), args.anchors, B)
+            batch = make_batch(seqs, hidden, batches[order[k]], np.random.default_rng([args.seed, 1, step]), args.anchors, B,
+                               window)
             loss, correct = train_step(batch)
             mx.eval(loss, correct, drafter.parameters(), optimizer.state)
             step += 1
-            acc, tau = acceptance_proxy(np.array(correct), np.array(batch[4]))
+            acc, tau = acceptance_proxy(np.array(correct), np.array(batch[-1]))
             now = np.array([loss.item(), acc, tau])
             ema = now if ema is None else 0.9 * ema + 0.1 * now
             bar.set_postfix(loss=f"{ema[0]:.3f}", acc=f"{ema[1]:.3f}", tau=f"{ema[2]:.2f}", lr=f"{schedule(step).item():.1e}")
@@ -408,7 +441,7 @@ def run(args: argparse.Namespace) -> None:
               "final_tau_proxy": None if ema is None else round(float(ema[2]), 3)}
     if eval_prompts:
         with tqdm(total=len(eval_prompts), desc="held-out tau", unit="prompt", dynamic_ncols=True) as bar:
-            result["held_out"] = evaluate_tau(target, drafter, tokenizer, eval_prompts, args.eval_max_tokens, bar)
+            result["held_out"] = evaluate_tau(target, drafter, tokenizer, eval_prompts, args.eval_max_tokens, bar, window)
         print(f"held-out tau {result['held_out']['tau']:.2f} over {result['held_out']['steps']} steps "
               f"({len(eval_prompts)} prompts), histogram {result['held_out']['histogram']}")
     (out / "train_result.json").write_text(json.dumps(result, indent=2) + "\n")

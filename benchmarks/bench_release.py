@@ -1,0 +1,118 @@
+"""This checkout against a previous release and plain mlx_lm, side by side in one process.
+
+    git worktree add /tmp/previous <commit>      # the release to compare with
+    python benchmarks/bench_release.py --baseline /tmp/previous [--num-prompts 5] [--max-tokens 128]
+        [--system this this:chain] [--out benchmarks/results/release.json]
+
+The previous release's package is imported from ``--baseline`` under another name
+(``dflash_mlx_previous``; its modules import each other relatively), so both run on the same
+machine, in the same process, on the same loaded target weights' files, each with its own
+calibration. Built-in pair, greedy, the three benchmark datasets. For every prompt each system runs
+once, in an order rotated from prompt to prompt, so a busy spell of this shared machine falls on
+all of them; every output is checked against mlx_lm's. Systems: ``previous`` (its
+``stream_generate`` at the previous CLI default, block size auto), ``this`` (the defaults: block
+size auto, draft trees auto), ``this:chain`` (``tree_budget=0``), ``this:tN`` (trees of N
+proposals), ``this:B`` (a fixed block B). Reported per dataset: tokens/s, speedup over mlx_lm, tau
+split into the target's token, accepted drafts and accepted copies per step, tree steps, and this
+over previous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import dflash_mlx  # before mlx: it loads OpenBLAS
+from dflash_mlx.benchmark import DATASETS, _chat, _timed, load_dataset, plain_run
+from dflash_mlx.default import default_pair
+
+
+def import_previous(checkout: Path):
+    """The package of another checkout, as ``dflash_mlx_previous``."""
+    init = checkout / "dflash_mlx" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("dflash_mlx_previous", init,
+                                                  submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["dflash_mlx_previous"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def systems(previous, names: list[str], pair: tuple[str, str]) -> dict:
+    """name -> function(prompt ids, max_tokens) -> (Run, last response)."""
+    model, tokenizer = dflash_mlx.load(*pair)
+    out = {"mlx_lm": lambda prompt, n: (plain_run(model.target.model, tokenizer, prompt, n, 0.0, 0), None)}
+    if previous is not None:
+        old_model, old_tokenizer = previous.load(*pair)
+        out["previous"] = lambda prompt, n: _timed(previous.stream_generate(old_model, old_tokenizer, prompt, n,
+                                                                            block_size="auto"))
+    for name in names:
+        _, _, variant = name.partition(":")
+        kwargs = {"block_size": "auto", "tree_budget": "auto"}
+        if variant == "chain":
+            kwargs["tree_budget"] = 0
+        elif variant.startswith("t"):
+            kwargs["tree_budget"] = int(variant[1:])
+        elif variant:
+            kwargs["block_size"] = int(variant)
+        out[name] = lambda prompt, n, kwargs=kwargs: _timed(dflash_mlx.stream_generate(model, tokenizer, prompt, n,
+                                                                                       **kwargs))
+    return out, tokenizer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--baseline", type=Path, default=None, help="a checkout of the previous release")
+    p.add_argument("--system", nargs="+", default=["this", "this:chain"])
+    p.add_argument("--dataset", nargs="+", default=list(DATASETS))
+    p.add_argument("--num-prompts", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    previous = import_previous(args.baseline) if args.baseline else None
+    runners, tokenizer = systems(previous, args.system, default_pair())
+    names = list(runners)
+    results = {}
+    for dataset in args.dataset:
+        totals = {n: {"tokens": 0, "seconds": 0.0, "steps": 0, "committed": 0, "drafted": 0, "copied": 0,
+                      "tree_steps": 0} for n in names}
+        for i, text in enumerate(load_dataset(dataset, args.num_prompts)):
+            prompt, outputs = _chat(tokenizer, text), {}
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                run, last = runners[name](prompt, args.max_tokens)
+                t = totals[name]
+                t["tokens"] += len(run.tokens) - 1
+                t["seconds"] += run.seconds
+                if last is not None:
+                    t["steps"] += len(last.stats.acceptance_lengths)
+                    t["committed"] += sum(last.stats.acceptance_lengths)
+                    t["drafted"] += last.stats.drafted
+                    t["copied"] += last.stats.copied
+                    t["tree_steps"] += getattr(last.stats, "tree_steps", 0)
+                outputs[name] = run.tokens
+            assert all(o == outputs["mlx_lm"] for o in outputs.values()), f"{dataset} prompt {i}: outputs differ"
+        base = totals["mlx_lm"]["tokens"] / totals["mlx_lm"]["seconds"]
+        row = {"mlx_lm_tps": round(base, 2)}
+        for name, t in totals.items():
+            if name == "mlx_lm":
+                continue
+            tps = t["tokens"] / t["seconds"]
+            steps = max(t["steps"], 1)
+            row[name] = {"tps": round(tps, 2), "speedup": round(tps / base, 3), "tau": round(t["committed"] / steps, 3),
+                         "drafted": round(t["drafted"] / steps, 3), "copied": round(t["copied"] / steps, 3),
+                         "tree_steps": t["tree_steps"], "steps": t["steps"]}
+        if "previous" in row:
+            for name in args.system:
+                row[name]["over_previous"] = round(row[name]["tps"] / row["previous"]["tps"], 3)
+        results[dataset] = row
+        print(dataset, json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
+                                        "baseline": str(args.baseline), "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
