@@ -212,9 +212,7 @@ class Engine:
                                  sharding=start_record() if start_record else None)
         self.head, self.mask_id = self.target.head(self.drafter.vocab_rows), self.drafter.args.mask_token_id
         self.copy_proposals, self.corpus = copy_proposals, self.drafter.corpus
-        self.prompt_cache = prompt_cache
-        if prompt_cache is not None:
-            prompt_cache.bind(model, self.draft_window)
+        self.prompt_cache = None if prompt_cache is None else prompt_cache.bind(model, self.draft_window)
         self.rows: list[Row] = []  # in batch order
         self.pending: deque[Row] = deque()
         self.cache: list | None = None
@@ -315,9 +313,8 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """Prefill queued prompts (up to ``prefill_step_size`` tokens while rows decode), then one
-        draft-verify step over every running row. Returns the committed tokens. A step whose prefill
-        finished a prompt returns at once with its first token, as mlx_lm yields it after prefill:
-        the draft-verify step waits for the next call, not the request's time to first token."""
+        draft-verify step over every running row, unless a prompt was finished: its first token goes
+        out at once, as mlx_lm's does after prefill. Returns the committed tokens."""
         events: list[TokenEvent] = []
         self._join(events)
         if self.rows and not events:
@@ -349,11 +346,8 @@ class Engine:
                 self.stats.prompt_tokens += len(chunk)
                 if done:
                     self.pending.remove(row)
-                    if self.prompt_cache is not None and not self.prompt_cache.layout.cuts:
-                        # A recurrent state serves only prompts that extend it whole: the next turn
-                        # extends this prompt, not necessarily the reply as it will be rendered.
-                        self._save_row(row, self.target.take(row.cache, 0, row.prefilled),
-                                       [c.take(0, c.positions[0]) for c in row.draft_cache])
+                    if self.prompt_cache is not None:
+                        self.prompt_cache.prefilled(row.prompt, row.cache, row.draft_cache)
                     self._start(row, token, logprobs, events)
             self.stats.prompt_time += time.perf_counter() - tic
 

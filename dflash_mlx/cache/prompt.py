@@ -82,21 +82,23 @@ class PromptCache:
     def disk_bytes(self) -> int:
         return self.disk.nbytes if self.disk is not None else 0
 
-    def bind(self, model: Any, draft_window: tuple[int, int] | None = None) -> None:
+    def bind(self, model: Any, draft_window: tuple[int, int] | None = None) -> "PromptCache":
         """Serve ``model``'s requests (a ``DFlashModel`` whose drafter context is bounded by
-        ``draft_window``); entries of another pair or layout are dropped from RAM and never read."""
+        ``draft_window``); entries of another pair or layout are dropped from RAM and never read.
+        Returns the cache."""
         if self.layout is not None and self.layout.model is model and self.layout.draft_window == draft_window:
-            return
+            return self
         layout = Layout.of(model, draft_window)
         if self.layout is not None and layout.key == self.layout.key:
             self.layout = layout
-            return
+            return self
         self.close()
         self.entries.clear()
         self.index, self.nbytes, self.layout = PrefixIndex(), 0, layout
         # A sharded target's caches live on every rank: a file here would hold rank 0's part only.
         if self.directory is not None and not hasattr(model.target, "on_all_ranks"):
             self.disk = DiskTier(self.directory, self.max_disk_bytes, layout)
+        return self
 
     def _layout(self) -> Layout:
         if self.layout is None:
@@ -156,6 +158,14 @@ class PromptCache:
             else:
                 superseded = self.disk.prefixes(entry.tokens) if layout.cuts else []
                 self.disk.put(key, entry.tokens, cache, draft_cache, superseded)
+
+    def prefilled(self, prompt: list[int], cache: list, draft_cache: list) -> None:
+        """A prompt's one-row caches as its prefill ends. Kept when a recurrent layer's state
+        cannot be cut back: the next turn extends the prompt, not necessarily the reply as it will
+        be rendered. An attention target's entry, saved as the request leaves, serves any prefix."""
+        if not self._layout().cuts:
+            self.save(prompt, self.layout.model.target.take(cache, 0, len(prompt)),
+                      [c.take(0, c.positions[0]) for c in draft_cache])
 
     def _insert(self, key: str, entry: _Entry) -> None:
         self._remove(key)
