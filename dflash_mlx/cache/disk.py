@@ -298,18 +298,27 @@ class DiskTier:
             time.sleep(0.01)
         return True
 
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the queued writes (at most ``timeout`` seconds), then stop the writer thread."""
+        self.flush(timeout)
+        if self._writer is not None:
+            self._writes.put(None)
+            self._writer = None
+
     def _write_all(self) -> None:
         while True:
-            key, tokens, arrays, metadata, superseded = self._writes.get()
+            item = self._writes.get()
             try:
+                if item is None:  # closed
+                    return
                 if self.stopped is None:
-                    self._write(key, tokens, arrays, metadata, superseded)
+                    self._write(*item)
             except OSError as e:
                 self._stop(e)
             except Exception:  # a bug: say so, and keep requests going
                 log.exception("prompt cache: writing an entry failed")
             finally:
-                del arrays
+                item = None  # the arrays are not held while the thread waits for the next entry
                 self._writes.task_done()
 
     def _write(self, key: Hashable, tokens: list[int], arrays: dict, metadata: dict, superseded: list) -> None:

@@ -32,11 +32,10 @@ import numpy as np
 
 from ..errors import DFlashError
 from .disk import DiskTier
-from .index import PrefixIndex, common_prefix
+from .index import PrefixIndex
 from .layout import Layout, materialise, nbytes
 
 DISK_BYTES = 10 * 2**30  # default bound of the SSD tier (and never more than half the free space)
-__all__ = ["PromptCache", "common_prefix", "DISK_BYTES", "ram_bytes"]
 
 
 def ram_bytes() -> int:
@@ -86,17 +85,14 @@ class PromptCache:
         """Serve ``model``'s requests (a ``DFlashModel`` whose drafter context is bounded by
         ``draft_window``); entries of another pair or layout are dropped from RAM and never read.
         Returns the cache."""
-        if self.layout is not None and self.layout.model is model and self.layout.draft_window == draft_window:
-            return self
         layout = Layout.of(model, draft_window)
-        if self.layout is not None and layout.key == self.layout.key:
-            self.layout = layout
-            return self
-        self.close()
-        self.entries.clear()
-        self.index, self.nbytes, self.layout = PrefixIndex(), 0, layout
+        if self.layout is None or layout.key != self.layout.key:
+            self.close()
+            self.entries.clear()
+            self.index, self.nbytes = PrefixIndex(), 0
+        self.layout = layout
         # A sharded target's caches live on every rank: a file here would hold rank 0's part only.
-        if self.directory is not None and not hasattr(model.target, "on_all_ranks"):
+        if self.disk is None and self.directory is not None and not hasattr(model.target, "on_all_ranks"):
             self.disk = DiskTier(self.directory, self.max_disk_bytes, layout)
         return self
 
@@ -191,7 +187,7 @@ class PromptCache:
     def close(self, timeout: float | None = 60.0) -> None:
         """Finish the queued writes and let go of the folder (the cache can be bound again)."""
         if self.disk is not None:
-            self.disk.flush(timeout)
+            self.disk.close(timeout)
             self.disk = None
 
 
