@@ -212,7 +212,7 @@ class Engine:
                                  sharding=start_record() if start_record else None)
         self.head, self.mask_id = self.target.head(self.drafter.vocab_rows), self.drafter.args.mask_token_id
         self.copy_proposals, self.corpus = copy_proposals, self.drafter.corpus
-        self.prompt_cache = prompt_cache
+        self.prompt_cache = None if prompt_cache is None else prompt_cache.bind(model, self.draft_window)
         self.rows: list[Row] = []  # in batch order
         self.pending: deque[Row] = deque()
         self.cache: list | None = None
@@ -285,7 +285,7 @@ class Engine:
             cache=None, draft_cache=None,
         )
         row.tokens = list(prompt)
-        hit = self.prompt_cache.fetch(prompt, self.target) if self.prompt_cache is not None else None
+        hit = self.prompt_cache.fetch(prompt) if self.prompt_cache is not None else None
         if hit is not None:
             row.prefilled, row.cache, row.draft_cache = hit
             row.cached = row.prefilled
@@ -313,10 +313,11 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """Prefill queued prompts (up to ``prefill_step_size`` tokens while rows decode), then one
-        draft-verify step over every running row. Returns the committed tokens."""
+        draft-verify step over every running row, unless a prompt was finished: its first token goes
+        out at once, as mlx_lm's does after prefill. Returns the committed tokens."""
         events: list[TokenEvent] = []
         self._join(events)
-        if self.rows:
+        if self.rows and not events:
             self._decode(events)
         self.stats.generation_tokens += len(events)
         return events
@@ -345,6 +346,8 @@ class Engine:
                 self.stats.prompt_tokens += len(chunk)
                 if done:
                     self.pending.remove(row)
+                    if self.prompt_cache is not None:
+                        self.prompt_cache.prefilled(row.prompt, row.cache, row.draft_cache)
                     self._start(row, token, logprobs, events)
             self.stats.prompt_time += time.perf_counter() - tic
 

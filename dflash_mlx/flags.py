@@ -70,6 +70,24 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+# Size suffixes: mlx_lm.server's (M, G, MB, GB: powers of ten) and binary ones.
+_SIZE_UNITS = {"": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
+               "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """A positive number of bytes: 123, 500M, 8GB, 10GiB."""
+    number = text.strip().rstrip("bBiIkKmMgGtT ")
+    unit = text.strip()[len(number):].strip().upper()
+    try:
+        value = int(float(number) * _SIZE_UNITS[unit])
+    except (ValueError, KeyError, OverflowError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, e.g. 500000000, 500M, 8GB or 10GiB") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return value
+
+
 def port_arg(text: str) -> int:
     value = _integer(text)
     if not 0 <= value <= 65535:

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DFlashError, one_line
-from ..flags import (add_block_arguments, add_sampling_arguments, add_sharding_arguments, non_negative_int, port_arg,
-                     positive_int, resolve_pair)
+from ..flags import (add_block_arguments, add_sampling_arguments, add_sharding_arguments, byte_size, non_negative_int,
+                     port_arg, positive_int, resolve_pair)
 from .http import DRAIN_SECONDS, App, Server
 from .protocol import ServerInfo, check_flags
 from .responses import ResponseStore
@@ -88,8 +88,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "forward per step)")
     p.add_argument("--prompt-cache-size", type=non_negative_int, default=10,
                    help="Most finished requests whose caches later requests may start from (0: none)")
-    p.add_argument("--prompt-cache-bytes", type=positive_int, default=None,
-                   help="Most bytes those caches may hold (default: no bound besides the count)")
+    p.add_argument("--prompt-cache-bytes", type=byte_size, default=None,
+                   help="Most bytes those caches may hold in RAM (default: an eighth of physical memory, "
+                        "at most 8 GiB)")
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="Also keep them as files in DIR, written in the background and found again after a "
+                        "restart (default: RAM only)")
+    p.add_argument("--prompt-cache-disk-bytes", type=byte_size, default=None, metavar="N",
+                   help="Most bytes the files in --prompt-cache-dir may hold, oldest used evicted first "
+                        "(default: 10 GiB; never more than half the free space)")
     add_block_arguments(p)
     add_sharding_arguments(p)
 

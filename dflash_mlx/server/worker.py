@@ -50,6 +50,7 @@ class Metrics:
         self.last_speculative = 0
         self.batching: str | None = "not started"  # None when requests are batched, else why not
         self.engine = None  # the batch engine's EngineStats, when batching
+        self.prompt_cache = None  # the worker's PromptCache, once loaded
 
     def render(self, active: int, queued: int) -> str:
         with self.lock:
@@ -87,6 +88,14 @@ class Metrics:
                     ("batch_steps_total", "counter", "Batch engine steps", e.steps),
                     ("batch_rows_mean", "gauge", "Mean requests per batch engine step", e.mean_rows),
                     ("batch_ragged_steps_total", "counter", "Batch steps whose rows accepted different counts", e.ragged_steps),
+                ]
+            if (c := self.prompt_cache) is not None:
+                rows += [
+                    ("prompt_cache_ram_hits_total", "counter", "Requests that started from a prompt cache entry in RAM", c.ram_hits),
+                    ("prompt_cache_disk_hits_total", "counter", "Requests that started from a prompt cache file", c.disk_hits),
+                    ("prompt_cache_misses_total", "counter", "Requests that found no prompt cache entry", c.misses),
+                    ("prompt_cache_ram_bytes", "gauge", "Bytes the prompt cache holds in RAM", c.nbytes),
+                    ("prompt_cache_disk_bytes", "gauge", "Bytes of this model's prompt cache files", c.disk_bytes),
                 ]
         lines = []
         for name, kind, help, value in rows:
@@ -153,12 +162,14 @@ class Worker(threading.Thread):
                 self.state, self.error = "failed", f"the generation worker stopped: {one_line(e)}"
         else:
             self.state = "stopped"
+        if self.prompt_cache is not None:
+            self.prompt_cache.close()  # the entries saved last reach the disk
         while not self.jobs.empty():  # jobs queued behind the end
             if (job := self.jobs.get()) is not None:
                 job.events.put(End(self.error or SHUTTING_DOWN, 503))
 
     def _load(self) -> None:
-        from ..cache.prompt import PromptCache
+        from ..cache.prompt import DISK_BYTES, PromptCache, ram_bytes
         from ..costs import costs
         from ..model import load
 
@@ -166,7 +177,10 @@ class Worker(threading.Thread):
         self.model, self.tokenizer = load(self.args.model, self.args.draft, getattr(self.args, "chat_template", None),
                                           pipeline=getattr(self.args, "pipeline", False))
         self.prompt_cache = PromptCache(getattr(self.args, "prompt_cache_size", 10),
-                                        getattr(self.args, "prompt_cache_bytes", None))
+                                        getattr(self.args, "prompt_cache_bytes", None) or ram_bytes(),
+                                        getattr(self.args, "prompt_cache_dir", None),
+                                        getattr(self.args, "prompt_cache_disk_bytes", None) or DISK_BYTES)
+        self.metrics.prompt_cache = self.prompt_cache
         self.engine = self._engine()
         if self.args.block_size == "auto":  # calibrate now, not during the first requests
             costs(self.model).ready(self.engine.max_rows)
