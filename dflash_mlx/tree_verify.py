@@ -49,7 +49,7 @@ from .target import Target
 from .tree import DraftTree, visibility
 
 # mlx_lm families whose tree forward equals chains of their paths (tests/test_tree.py).
-FAMILIES = {"llama", "qwen3", "gemma3_text", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
+FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
 
 
 def refusal(target: Target) -> str | None:

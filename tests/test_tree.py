@@ -197,7 +197,7 @@ def test_coupled_drafts_rank_candidates_by_their_perturbed_scores():
 
 # -- verification on the target ---------------------------------------------------------------
 
-ALL = ["qwen3", "llama", "gemma3_text", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
+ALL = ["qwen3", "qwen2", "llama", "mistral", "gemma3_text", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 V = 64  # token ids below every family's vocabulary
 # fp32 rounding: the tree forward multiplies other matrix shapes than plain text's (logits up to ~10)
 TOL = dict(atol=5e-4, rtol=1e-4)

@@ -54,6 +54,9 @@ TARGETS = {
         tie_word_embeddings=False,
     ),
 }
+# Families mlx_lm runs through the same attention as these (qwen2: with biases; mistral: llama's class)
+TARGETS["qwen2"] = {**{k: v for k, v in TARGETS["qwen3"].items() if k != "head_dim"}, "model_type": "qwen2"}
+TARGETS["mistral"] = dict(TARGETS["llama"], model_type="mistral")
 
 
 def save_tokenizer(path: Path) -> None:
