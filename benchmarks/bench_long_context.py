@@ -15,15 +15,16 @@ Sections (``--sections``), all greedy, in one process:
   best of ``--repeats``; prompt tokens/s of each and their ratio, by the wall clock and by this
   process's CPU time (steadier on a shared machine; run with OPENBLAS_NUM_THREADS=1).
 - ``decode``: decode tokens/s (first token to last, as ``dflash-mlx benchmark`` counts) of plain
-  mlx_lm and of DFlash at block auto with and without the drafter window, tau split into the
+  mlx_lm and of DFlash at the defaults, with the whole context as the drafter's (``no window``) and
+  with chains only (``chains``, tree budget 0), tau split into the
   target's token, accepted drafted tokens and accepted copies per step; every DFlash run's tokens
   are checked against mlx_lm's.
 - ``windows``: acceptance only (drafted / copied accepted per step) at block 8 and auto, copies off
   and on, for each ``--windows`` entry (``none``: the whole context).
 
-The target's prompt cache is computed once per prompt and restored for every decode run (decode
-time excludes prefill on both sides, so this changes no measured number, only the wall time of
-the benchmark).
+Decode runs start from prompts prefilled once per system (mlx_lm's caches copied; a ``PromptCache``
+per DFlash configuration): decode time excludes prefill on both sides, so this changes no measured
+number, only the wall time of the benchmark.
 
     python benchmarks/bench_long_context.py --output benchmarks/results/long_context.json
 """
@@ -43,6 +44,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx import stream_generate
 from dflash_mlx.benchmark import _timed
+from dflash_mlx.cache.prompt import PromptCache
 from dflash_mlx.default import default_pair
 from dflash_mlx.train.data import (CODE_QUESTIONS, DOC_QUESTIONS, LONG_HELD_OUT, PYTHON_DOCS, long_prompt,
                                    package_root, prompt_ids)
@@ -96,41 +98,29 @@ def parse_window(text: str) -> tuple[int, int] | None:
     return None if text == "none" else tuple(int(x) for x in text.split(":"))
 
 
-class PrefilledTarget:
-    """The target's prefill of each prompt computed once and handed out again (decode runs only).
+class Prefilled:
+    """Each prompt prefilled once per system and handed out again (decode runs only): mlx_lm's
+    caches of the prompt minus its last token, copied per plain run, and one ``PromptCache`` per
+    drafter window, which a run whose prompt it holds extends by its last token only."""
 
-    Wraps ``Target.prefill`` (ours) and builds mlx_lm caches from the same K/V (plain runs), so
-    every decode run starts from the same state without paying a long prefill again.
-    """
-
-    def __init__(self, target):
-        self.target, self.real, self.saved = target, target.prefill, {}
-
-    def prefill(self, prompt, cache, step_size=2048, keep_rows=None):
-        key = tuple(prompt.tolist())
-        if key not in self.saved:
-            logits, hidden = self.real(prompt, cache, step_size, keep_rows)
-            mx.eval(logits, hidden, [c.state for c in cache])
-            self.saved[key] = (logits, hidden, [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset) for c in cache])
-        logits, hidden, states = self.saved[key]
-        for c, (k, v, offset) in zip(cache, states):
-            c.keys, c.values, c.offset = k[...], v[...], offset  # new array objects: updates never reach the saved ones
-        return logits, hidden
+    def __init__(self, model):
+        self.model, self.saved, self.caches = model, (None, None), {}
 
     def mlx_lm_cache(self, ids: list[int]) -> list:
-        """An mlx_lm cache holding ``ids[:-1]`` (the saved prefill minus its last token)."""
-        cache = self.target.make_cache()
-        self.prefill(mx.array(ids), cache)
-        for c in cache:
-            c.keys, c.values, c.offset = c.keys[..., :-1, :], c.values[..., :-1, :], c.offset - 1
+        if self.saved[0] != ids:
+            cache = make_prompt_cache(self.model)
+            for i in range(0, len(ids) - 1, 2048):
+                self.model(mx.array(ids[i: min(i + 2048, len(ids) - 1)])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            self.saved = (ids, [c.state for c in cache])
+        cache = make_prompt_cache(self.model)
+        for c, (k, v) in zip(cache, self.saved[1]):
+            c.state = (k[...], v[...])  # new array objects: updates never reach the saved ones
         return cache
 
-    def __enter__(self):
-        self.target.prefill = self.prefill
-        return self
-
-    def __exit__(self, *exc):
-        del self.target.prefill  # the instance attribute: the method shows through again
+    def prompt_cache(self, window: str) -> PromptCache:
+        """The prompt cache of runs with the drafter window ``window`` (entries are kept per window)."""
+        return self.caches.setdefault(window, PromptCache(max_entries=1))
 
 
 def first_token_seconds(responses) -> tuple[float, float]:
@@ -162,14 +152,17 @@ def prefill_section(model, tokenizer, prompts, repeats) -> list[dict]:
     return rows
 
 
-def dflash_run(model, tokenizer, ids, max_tokens, block_size, window, copy_proposals) -> tuple:
+def dflash_run(model, tokenizer, ids, max_tokens, block_size, window, copy_proposals, tree_budget="auto",
+               prompt_cache=None) -> tuple:
     run, last = _timed(stream_generate(model, tokenizer, ids, max_tokens, block_size=block_size, draft_window=window,
-                                       copy_proposals=copy_proposals))
+                                       copy_proposals=copy_proposals, tree_budget=tree_budget,
+                                       prompt_cache=prompt_cache))
     s = last.stats
     steps = max(len(s.acceptance_lengths), 1)
+    plain = sum(b == 1 for b in s.block_sizes) / max(len(s.block_sizes), 1)
     return run, {"tps": round(run.tps, 2), "tau": round(s.tau, 3), "drafted": round(s.drafted / steps, 3),
                  "copied": round(s.copied / steps, 3), "steps": len(s.acceptance_lengths),
-                 "plain_steps": round(s.plain_fraction, 3)}
+                 "plain_steps": round(plain, 3), "tree_steps": s.tree_steps}
 
 
 def plain_run(model, tokenizer, memo, ids, max_tokens):
@@ -177,9 +170,11 @@ def plain_run(model, tokenizer, memo, ids, max_tokens):
     return _timed(mlx_lm.stream_generate(model.target.model, tokenizer, ids[-1:], max_tokens=max_tokens, prompt_cache=cache))[0]
 
 
-def decode_section(model, tokenizer, memo, prompts, max_tokens, window, repeats) -> list[dict]:
+def decode_section(model, tokenizer, memo, prompts, max_tokens, repeats) -> list[dict]:
     rows = []
-    configs = {"auto": ("auto", None), f"auto+{window[0]}:{window[1]}": ("auto", window)}
+    # the defaults (block, window and trees auto), the whole context as the drafter's, chains only
+    configs = {"defaults": ("auto", "auto", "auto"), "no window": ("auto", None, "auto"),
+               "chains": ("auto", "auto", 0)}
     for p in prompts:
         ids = p["ids"]
         base_tps, base_tokens, results = 0.0, None, {}
@@ -190,8 +185,9 @@ def decode_section(model, tokenizer, memo, prompts, max_tokens, window, repeats)
                     run = plain_run(model, tokenizer, memo, ids, max_tokens)
                     base_tps, base_tokens = max(base_tps, run.tps), run.tokens
                     continue
-                block, win = configs[name]
-                run, stats = dflash_run(model, tokenizer, ids, max_tokens, block, win, True)
+                block, win, budget = configs[name]
+                run, stats = dflash_run(model, tokenizer, ids, max_tokens, block, win, True, budget,
+                                        memo.prompt_cache(str(win)))
                 stats["match"] = None
                 if name not in results or stats["tps"] > results[name]["tps"]:
                     results[name] = stats
@@ -205,7 +201,7 @@ def decode_section(model, tokenizer, memo, prompts, max_tokens, window, repeats)
     return rows
 
 
-def windows_section(model, tokenizer, prompts, max_tokens, windows, modes) -> list[dict]:
+def windows_section(model, tokenizer, memo, prompts, max_tokens, windows, modes) -> list[dict]:
     rows = []
     for p in prompts:
         row = {"prompt": p["name"], "kind": p["kind"], "tokens": len(p["ids"])}
@@ -213,7 +209,7 @@ def windows_section(model, tokenizer, prompts, max_tokens, windows, modes) -> li
             for mode in modes:
                 block, _, source = mode.partition(":")
                 _, stats = dflash_run(model, tokenizer, p["ids"], max_tokens, block if block == "auto" else int(block),
-                                      parse_window(w), source == "copies")
+                                      parse_window(w), source == "copies", prompt_cache=memo.prompt_cache(w))
                 row[f"{w} {mode}"] = stats
         rows.append(row)
         print("windows", json.dumps(row), flush=True)
@@ -228,7 +224,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kinds", nargs="+", default=["docs", "code"])
     p.add_argument("--sections", nargs="+", default=["prefill", "decode", "windows"])
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--window", default="16:256", help="KEEP:RECENT of the decode section's windowed runs")
     p.add_argument("--windows", nargs="+", default=list(WINDOWS), help="Windows the windows section sweeps")
     p.add_argument("--modes", nargs="+", default=["8:drafts", "auto:copies"],
                    help="BLOCK:drafts (copy proposals off) or BLOCK:copies (on) runs per window")
@@ -244,16 +239,15 @@ def main(argv: list[str] | None = None) -> None:
         pass
     for _ in mlx_lm.stream_generate(model.target.model, tokenizer, prompts[0]["ids"][:64], max_tokens=8):
         pass
-    report = {"model": model_path, "draft": draft_path, "max_tokens": args.max_tokens, "window": args.window,
+    report = {"model": model_path, "draft": draft_path, "max_tokens": args.max_tokens,
               "prompts": [{k: v for k, v in q.items() if k != "ids"} | {"tokens": len(q["ids"])} for q in prompts]}
     if "prefill" in args.sections:
         report["prefill"] = prefill_section(model, tokenizer, prompts, args.repeats)
-    with PrefilledTarget(model.target) as memo:
-        if "decode" in args.sections:
-            report["decode"] = decode_section(model, tokenizer, memo, prompts, args.max_tokens,
-                                              parse_window(args.window), args.repeats)
-        if "windows" in args.sections:
-            report["windows"] = windows_section(model, tokenizer, prompts, args.max_tokens, args.windows, args.modes)
+    memo = Prefilled(model.target.model)
+    if "decode" in args.sections:
+        report["decode"] = decode_section(model, tokenizer, memo, prompts, args.max_tokens, args.repeats)
+    if "windows" in args.sections:
+        report["windows"] = windows_section(model, tokenizer, memo, prompts, args.max_tokens, args.windows, args.modes)
     if args.output:
         args.output.write_text(json.dumps(report, indent=2) + "\n")
         print(f"written to {args.output}", file=sys.stderr)

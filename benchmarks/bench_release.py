@@ -12,7 +12,8 @@ once, in an order rotated from prompt to prompt, so a busy spell of this shared 
 all of them; every output is checked against mlx_lm's. Systems: ``previous`` (its
 ``stream_generate`` at the previous CLI default, block size auto), ``this`` (the defaults: block
 size auto, draft trees auto), ``this:chain`` (``tree_budget=0``), ``this:tN`` (trees of N
-proposals), ``this:B`` (a fixed block B). Reported per dataset: tokens/s, speedup over mlx_lm, tau
+proposals), ``this:B`` (a fixed block B), combined as ``this:chain:8``; ``previous:B`` (the previous
+release at a fixed block B). Reported per dataset: tokens/s, speedup over mlx_lm, tau
 split into the target's token, accepted drafts and accepted copies per step, tree steps, and this
 over previous.
 """
@@ -50,14 +51,19 @@ def systems(previous, names: list[str], pair: tuple[str, str]) -> dict:
         out["previous"] = lambda prompt, n: _timed(previous.stream_generate(old_model, old_tokenizer, prompt, n,
                                                                             block_size="auto"))
     for name in names:
-        _, _, variant = name.partition(":")
+        system, *variants = name.split(":")
+        if system == "previous":  # the previous release at a fixed block
+            out[name] = lambda prompt, n, B=int(variants[0]): _timed(previous.stream_generate(
+                old_model, old_tokenizer, prompt, n, block_size=B))
+            continue
         kwargs = {"block_size": "auto", "tree_budget": "auto"}
-        if variant == "chain":
-            kwargs["tree_budget"] = 0
-        elif variant.startswith("t"):
-            kwargs["tree_budget"] = int(variant[1:])
-        elif variant:
-            kwargs["block_size"] = int(variant)
+        for variant in variants:
+            if variant == "chain":
+                kwargs["tree_budget"] = 0
+            elif variant.startswith("t"):
+                kwargs["tree_budget"] = int(variant[1:])
+            else:
+                kwargs["block_size"] = int(variant)
         out[name] = lambda prompt, n, kwargs=kwargs: _timed(dflash_mlx.stream_generate(model, tokenizer, prompt, n,
                                                                                        **kwargs))
     return out, tokenizer
@@ -109,9 +115,9 @@ def main() -> None:
                 row[name]["over_previous"] = round(row[name]["tps"] / row["previous"]["tps"], 3)
         results[dataset] = row
         print(dataset, json.dumps(row), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps({"max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
-                                        "baseline": str(args.baseline), "results": results}, indent=1) + "\n")
+        if args.out:  # after every dataset: a run stopped later keeps what it measured
+            args.out.write_text(json.dumps({"max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
+                                            "baseline": str(args.baseline), "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
