@@ -114,8 +114,8 @@ class Prefilled:
                 mx.eval([c.state for c in cache])
             self.saved = (ids, [c.state for c in cache])
         cache = make_prompt_cache(self.model)
-        for c, (k, v) in zip(cache, self.saved[1]):
-            c.state = (k[...], v[...])  # new array objects: updates never reach the saved ones
+        for c, (k, v, offset) in zip(cache, self.saved[1]):
+            c.state = (k[...], v[...], offset)  # new array objects: updates never reach the saved ones
         return cache
 
     def prompt_cache(self, window: str) -> PromptCache:
