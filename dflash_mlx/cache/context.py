@@ -53,9 +53,13 @@ class ContextCache(RaggedKVCache):
         if not any(excess):
             return
         if len(excess) == 1:
+            # Compacted with room for the next rows: a full window drops rows at every step, and an
+            # exact-size buffer would be copied again to grow at the next one.
             tail = slice(self.keep + excess[0], self.lengths[0])
-            self.keys, self.values = (mx.concatenate([x[:, :, : self.keep], x[:, :, tail]], axis=2)
-                                      for x in (self.keys, self.values))
+            self.keys, self.values = (
+                mx.concatenate([x[:, :, : self.keep], x[:, :, tail], mx.zeros((*x.shape[:2], self.step, x.shape[3]), x.dtype)],
+                               axis=2)
+                for x in (self.keys, self.values))
         else:  # each row keeps its sink and its own last ``recent`` rows, moved up to the sink
             index = mx.array([list(range(self.keep)) + list(range(self.keep + e, self.keep + e + self.recent))
                               for e in excess]).reshape(len(excess), 1, limit, 1)
