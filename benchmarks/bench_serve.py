@@ -14,10 +14,11 @@ Servers run side by side on the built-in pair's target (``dflash_mlx.default``):
 
 At each concurrency c, c clients send the first c MT-Bench questions at once (chat completions,
 greedy, ``--max-tokens`` each, end of text suppressed so every request generates the same count)
-and wait for their answers. The systems take turns for every (round, c), so a busy spell on this
-shared machine falls on all of them. Aggregate tokens/s is every generated token over the wall
-time from the first request to the last answer; latency is each request's time to its last token,
-p50 and p95. ``exact`` compares every answer with the serial server's (which the tests hold to
+and wait for their answers. The systems take turns for every (round, c), in reverse order every
+other round, so a busy spell on this shared machine falls on all of them; each keeps its best
+round (the JSON also has the median round's tokens/s). Aggregate tokens/s is every generated token
+over the wall time from the first request to the last answer; latency is each request's time to its
+last token, p50 and p95. ``exact`` compares every answer with the serial server's (which the tests hold to
 mlx_lm's greedy decoding). The table goes to stdout and, with ``--out``, JSON.
 """
 
@@ -123,9 +124,10 @@ def main() -> None:
         for _, port in servers.values():  # warm up: first requests compile and fill allocator pools
             measure(port, questions[:2], 8, eos)
         runs = {}
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             for c in args.concurrency:
-                for name, (_, port) in servers.items():
+                order = list(servers.items())
+                for name, (_, port) in order if round_ % 2 == 0 else order[::-1]:
                     runs.setdefault((c, name), []).append(measure(port, questions[:c], args.max_tokens, eos))
     finally:
         for process, _ in servers.values():
@@ -138,7 +140,9 @@ def main() -> None:
         best = {name: max(runs[(c, name)], key=lambda r: r["tokens_per_second"]) for name in commands}
         for name, r in best.items():
             exact = r["texts"] == best["serial"]["texts"]
-            results.append(dict(clients=c, system=name, exact=exact, **{k: v for k, v in r.items() if k != "texts"}))
+            median = statistics.median(x["tokens_per_second"] for x in runs[(c, name)])
+            results.append(dict(clients=c, system=name, exact=exact, median_tokens_per_second=median,
+                                **{k: v for k, v in r.items() if k != "texts"}))
             ratio = lambda other: (f" {r['tokens_per_second'] / best[other]['tokens_per_second']:>8.2f}x"  # noqa: E731
                                    if other in best else "        -")
             print(f"{c:>7} {name:>8} {r['tokens_per_second']:>7.2f} {r['p50']:>7.2f} {r['p95']:>7.2f} {str(exact):>6}"
