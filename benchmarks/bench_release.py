@@ -78,6 +78,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    print(f"BLAS: {dflash_mlx.BLAS}", flush=True)  # figures taken on the reference BLAS compare with nothing
     previous = import_previous(args.baseline) if args.baseline else None
     runners, tokenizer = systems(previous, args.system, default_pair())
     names = list(runners)
@@ -117,7 +118,8 @@ def main() -> None:
         print(dataset, json.dumps(row), flush=True)
         if args.out:  # after every dataset: a run stopped later keeps what it measured
             args.out.write_text(json.dumps({"max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
-                                            "baseline": str(args.baseline), "results": results}, indent=1) + "\n")
+                                            "baseline": str(args.baseline), "blas": dflash_mlx.BLAS,
+                                            "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@
   distribution and checked statistically in test_layouts; here it decodes greedily or by matching);
 - draft trees: a chain (budget 0), trees of 4 and 16 proposals, auto.
 
-Every pair of values of any two dimensions occurs in some case (a greedy covering, built below), and
-each case asserts token identity with its reference.
+The default run holds a case for every pair of values of any two dimensions (a greedy covering, built
+below); ``-m slow`` runs every other valid combination too, the whole product. Each case asserts token
+identity with its reference.
 """
 
 import itertools
@@ -49,12 +50,17 @@ def valid(case: dict) -> bool:
     return not (case["drafter"] == "dflash2" and case["decoding"] == "coupled")
 
 
+def product(dimensions: dict) -> list[dict]:
+    """Every valid combination of the dimensions' values."""
+    cases = (dict(zip(dimensions, values)) for values in itertools.product(*dimensions.values()))
+    return [c for c in cases if valid(c)]
+
+
 def covering(dimensions: dict) -> list[dict]:
     """Cases in which every pair of values of two dimensions occurs: greedily, the valid case that
     covers the most pairs not yet covered, until none is left."""
     names = list(dimensions)
-    everything = [dict(zip(names, values)) for values in itertools.product(*dimensions.values())]
-    everything = [c for c in everything if valid(c)]
+    everything = product(dimensions)
 
     def pairs(case):
         return {(a, case[a], b, case[b]) for a, b in itertools.combinations(names, 2)}
@@ -73,6 +79,9 @@ CASES = covering(DIMENSIONS)
 
 def case_id(case: dict) -> str:
     return "-".join(str(v) for v in case.values())
+
+
+PARAMS = [pytest.param(c, id=case_id(c), marks=() if c in CASES else pytest.mark.slow) for c in product(DIMENSIONS)]
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +112,7 @@ def reference(model, prompt: list[int], case: dict, seed: int) -> list[int]:
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("case", PARAMS)
 def test_engine_equals_its_reference(targets, case):
     model, config = targets[case["family"]]
     target = Target(model, config["dflash_config"]["target_layer_ids"])
