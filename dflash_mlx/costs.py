@@ -30,6 +30,9 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
 # them, and long copies are the ones that pay.
 COPY_BLOCK_SIZE = 16
 SHORT_CONTEXT, LONG_CONTEXT = 128, 2048  # the two contexts a verify is timed at
+# Rounds the longer contexts are timed in: their steps take several times longer than a short
+# context's, so a round of them costs more and its noise is a smaller part of what it times.
+LONG_REPEATS = 2
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)  # batch sizes timed (others interpolated)
 
 
@@ -86,8 +89,9 @@ def _seconds(fn) -> float:
 
 def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = None, repeats: int | None = None,
               use_metal: bool | None = None, contexts: tuple[int, ...] = (SHORT_CONTEXT,)) -> list[RowCosts]:
-    """Time target verify of ``rows`` rows for a few block sizes after each of ``contexts`` tokens,
-    and the drafter forward after the first; one ``RowCosts`` per context.
+    """Time target verify of ``rows`` rows for a few block sizes after each of ``contexts`` tokens
+    (the first run through the target, longer ones stretched from it: ``Target.stretch``), and the
+    drafter forward after the first; one ``RowCosts`` per context.
 
     Uses throw-away caches; the model is left as it was. Sizes and contexts are timed in interleaved
     rounds and the fastest round kept: on a shared machine noise only ever adds time, and
@@ -108,8 +112,13 @@ def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = No
     caches = []
     for context in contexts:
         cache = target.make_cache(rows)
-        _, hidden = target(tokens[:, :context], cache)
+        # Only the first context goes through the target: a longer one repeats its keys, which
+        # cost a verify row what real keys do, without a prefill that long (it took longer than
+        # all the timings together).
+        _, hidden = target(tokens[:, : contexts[0]], cache)
         target.cache_policy.forget()
+        if context > contexts[0]:
+            target.stretch(cache, context)
         mx.eval(hidden, [c.state for c in cache])
         caches.append(cache)
         if context == contexts[0]:
@@ -135,7 +144,7 @@ def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = No
     for i in range(repeats + 1):
         warm_up = i == 0  # first calls pay for allocation and graph setup
         for B in sizes:
-            for k in range(len(contexts)):
+            for k in range(len(contexts) if i <= LONG_REPEATS else 1):
                 t = _seconds(lambda: run_verify(B, k))
                 verify[k][B] = verify[k][B] if warm_up else min(verify[k][B], t)
             if B in drafts:

@@ -134,6 +134,15 @@ class Target:
         """Empty caches of ``rows`` rows (``CachePolicy.make_cache``)."""
         return self.cache_policy.make_cache(rows)
 
+    def stretch(self, cache: list, length: int) -> None:
+        """Make every row of ``cache`` (after a forward) attend like a ``length``-token context,
+        its attention layers holding repeats of their keys (``RaggedKVCache.stretch``): what
+        calibration times a long context's verify rows on, without a forward over that context.
+        Recurrent layers keep their state, whose size does not grow with the context."""
+        for c in cache:
+            if isinstance(c, RaggedKVCache):
+                c.stretch(length)
+
     def rollback(self, cache: list, drops: int | list[int]) -> None:
         """Drop the last ``drops[r]`` positions of row r (its rejected proposals) from the last
         forward on ``cache``; an int drops as many from every row."""

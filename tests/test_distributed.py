@@ -96,7 +96,8 @@ def rank_main(spec: dict) -> None:
         mx.random.seed(SAMPLING_SEED)
         out[f"sampled{run}"] = dflash_tokens(oracle, 4, TEMP)[0]
     response = None
-    for response in dflash_mlx.stream_generate(pair, tokenizer, PROMPT, 12, block_size=4, prefill_step_size=PREFILL_STEP):
+    # block size auto: calibration (its long context stretched on every rank, Driver.stretch) runs sharded
+    for response in dflash_mlx.stream_generate(pair, tokenizer, PROMPT, 12, block_size="auto", prefill_step_size=PREFILL_STEP):
         pass
     out["stats"] = format_stats(response)
     print("RESULT " + json.dumps(out), flush=True)

@@ -187,6 +187,28 @@ def test_calibration_times_every_block_size_and_rows_once(setup):
     assert isinstance(make_policy(model, "auto").costs, Costs)
 
 
+def test_a_stretched_cache_attends_like_a_context_that_long(setup):
+    """Calibration times long contexts on a short one's keys repeated: the verify after it must
+    see as many keys, at the positions a real context that long would give it."""
+    target = setup[0].target
+    tokens = mx.arange(40, dtype=mx.int32)[None] % 50
+    stretched, real = target.make_cache(), target.make_cache()
+    target(tokens[:, :8], stretched)
+    target.stretch(stretched, 30)
+    target(tokens[:, :30], real)
+    assert target.lengths(stretched) == target.lengths(real) == [30]
+    ragged = [c for c in stretched if hasattr(c, "stretch")]
+    assert ragged and all(c.keys.shape[2] == 30 for c in ragged)
+    k = ragged[0].keys
+    assert mx.array_equal(k[..., 8:16, :], k[..., :8, :]) and mx.array_equal(k[..., 24:30, :], k[..., :6, :])
+    # The next forward continues at position 30 on both, with a mask over all 30 + 4 keys.
+    for cache in (stretched, real):
+        logits, _ = target(tokens[:, 30:34], cache)
+        assert logits.shape[1] == 4 and target.lengths(cache) == [34]
+        target.rollback(cache, 4)
+        assert target.lengths(cache) == [30]
+
+
 @pytest.mark.parametrize("drafter", ["random", "oracle"])
 @pytest.mark.parametrize("table", ["steep", "flat", "measured"])
 def test_adaptive_greedy_equals_mlx_lm(setup, drafter, table):

@@ -111,6 +111,15 @@ class RaggedKVCache:
         out._set_lengths([min(length, self.lengths[row])])
         return out
 
+    def stretch(self, length: int) -> None:
+        """Hold ``length`` positions in every row by repeating the keys and values it holds: a cache
+        that attends like a context that long, for timing verify rows (the keys' values do not
+        change what attention costs)."""
+        held = min(self.lengths)
+        reps = -(-length // held)
+        self.keys, self.values = (mx.tile(x[..., :held, :], (1, 1, reps, 1))[..., :length, :] for x in (self.keys, self.values))
+        self._set_lengths([length] * len(self.lengths))
+
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens of every row."""
         self._set_lengths([max(k - n, 0) for k in self.lengths])

@@ -220,6 +220,10 @@ class Driver:
                 self._order("noop")
             self._rollback = [cache.id, drops]
 
+    def stretch(self, cache: _Cache, length: int) -> None:
+        self._order("stretch", cache, length=length)
+        self.target.stretch(cache, length)
+
     def join(self, cache: _Cache, other: _Cache) -> None:
         self._order("join", cache, other=other.id)
         self.target.join(cache, other)
@@ -272,6 +276,8 @@ def follow(target: ShardedTarget, control: Control, tokenizer: TokenizerWrapper)
                 mx.eval(target(mx.array(order["tokens"], mx.int32), cache, order["logits_at"]))
             elif op == "prefill":
                 mx.eval(target.prefill_rows([caches[i] for i in order["caches"]], order["chunks"]))
+            elif op == "stretch":
+                target.stretch(cache, order["length"])
             elif op == "join":
                 target.join(cache, caches.pop(order["other"]))
             elif op == "keep":
