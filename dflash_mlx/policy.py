@@ -341,7 +341,7 @@ class BlockPolicy:
 def make_policy(model: DFlashModel, block_size: int | str | None = None, use_metal: bool | None = None,
                 **kwargs) -> BlockPolicy:
     """The block policy of ``block_size``: an int (fixed), ``"auto"`` (adaptive; calibrates the pair
-    on first use, a second or so on small models) or None (the drafter's block size, fixed);
+    on first use: ``costs.py``) or None (the drafter's block size, fixed);
     keyword arguments go to ``BlockPolicy``."""
     if block_size == "auto":
         return BlockPolicy(model.block_size, costs(model, use_metal), **kwargs)
