@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-import dflash_mlx  # noqa: F401  (loads OpenBLAS before mlx.core)
+import dflash_mlx  # before mlx: it loads OpenBLAS
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import make_prompt_cache
@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output", type=Path)
     args = p.parse_args(argv)
 
+    print(f"BLAS: {dflash_mlx.BLAS}", flush=True)  # figures taken on the reference BLAS compare with nothing
     model_path, draft_path = (args.model, args.draft) if args.model else default_pair()
     model, tokenizer = dflash_mlx.load(model_path, draft_path)
     prompts = [q for q in build_prompts(tokenizer, args.lengths) if q["kind"] in args.kinds]
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         pass
     for _ in mlx_lm.stream_generate(model.target.model, tokenizer, prompts[0]["ids"][:64], max_tokens=8):
         pass
-    report = {"model": model_path, "draft": draft_path, "max_tokens": args.max_tokens,
+    report = {"model": model_path, "draft": draft_path, "blas": dflash_mlx.BLAS, "max_tokens": args.max_tokens,
               "prompts": [{k: v for k, v in q.items() if k != "ids"} | {"tokens": len(q["ids"])} for q in prompts]}
     if "prefill" in args.sections:
         report["prefill"] = prefill_section(model, tokenizer, prompts, args.repeats)

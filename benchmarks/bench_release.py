@@ -14,8 +14,8 @@ all of them; every output is checked against mlx_lm's. Systems: ``previous`` (it
 size auto, draft trees auto), ``this:chain`` (``tree_budget=0``), ``this:tN`` (trees of N
 proposals), ``this:B`` (a fixed block B), combined as ``this:chain:8``; ``previous:B`` (the previous
 release at a fixed block B). Reported per dataset: tokens/s, speedup over mlx_lm, tau
-split into the target's token, accepted drafts and accepted copies per step, tree steps, and this
-over previous.
+split into the target's token, accepted drafts and accepted copies per step, tree steps, the steps by
+verified rows (``blocks``: rows or tree nodes -> steps; 1 is a plain step), and this over previous.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import dflash_mlx  # before mlx: it loads OpenBLAS
@@ -85,7 +86,7 @@ def main() -> None:
     results = {}
     for dataset in args.dataset:
         totals = {n: {"tokens": 0, "seconds": 0.0, "steps": 0, "committed": 0, "drafted": 0, "copied": 0,
-                      "tree_steps": 0} for n in names}
+                      "tree_steps": 0, "blocks": Counter()} for n in names}
         for i, text in enumerate(load_dataset(dataset, args.num_prompts)):
             prompt, outputs = _chat(tokenizer, text), {}
             for name in names[i % len(names):] + names[: i % len(names)]:
@@ -99,6 +100,7 @@ def main() -> None:
                     t["drafted"] += last.stats.drafted
                     t["copied"] += last.stats.copied
                     t["tree_steps"] += getattr(last.stats, "tree_steps", 0)
+                    t["blocks"].update(last.stats.block_sizes)
                 outputs[name] = run.tokens
             assert all(o == outputs["mlx_lm"] for o in outputs.values()), f"{dataset} prompt {i}: outputs differ"
         base = totals["mlx_lm"]["tokens"] / totals["mlx_lm"]["seconds"]
@@ -110,7 +112,8 @@ def main() -> None:
             steps = max(t["steps"], 1)
             row[name] = {"tps": round(tps, 2), "speedup": round(tps / base, 3), "tau": round(t["committed"] / steps, 3),
                          "drafted": round(t["drafted"] / steps, 3), "copied": round(t["copied"] / steps, 3),
-                         "tree_steps": t["tree_steps"], "steps": t["steps"]}
+                         "tree_steps": t["tree_steps"], "steps": t["steps"],
+                         "blocks": dict(sorted(t["blocks"].items()))}
         if "previous" in row:
             for name in args.system:
                 row[name]["over_previous"] = round(row[name]["tps"] / row["previous"]["tps"], 3)

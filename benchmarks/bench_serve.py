@@ -16,7 +16,7 @@ At each concurrency c, c clients send the first c MT-Bench questions at once (ch
 greedy, ``--max-tokens`` each, end of text suppressed so every request generates the same count)
 and wait for their answers. The systems take turns for every (round, c), in reverse order every
 other round, so a busy spell on this shared machine falls on all of them; each keeps its best
-round (the JSON also has the median round's tokens/s). Aggregate tokens/s is every generated token
+round (the JSON also has every round's tokens/s and the median). Aggregate tokens/s is every generated token
 over the wall time from the first request to the last answer; latency is each request's time to its
 last token, p50 and p95. ``exact`` compares every answer with the serial server's (which the tests hold to
 mlx_lm's greedy decoding). The table goes to stdout and, with ``--out``, JSON.
@@ -36,6 +36,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import dflash_mlx  # its BLAS is the servers' BLAS: they run this Python with the same libraries
 from dflash_mlx.benchmark import load_dataset
 from dflash_mlx.default import default_pair
 
@@ -98,6 +99,7 @@ def main() -> None:
                    help="a checkout of a previous release, served as 'previous' (with --decode-concurrency as batched)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    print(f"BLAS: {dflash_mlx.BLAS}", flush=True)  # figures taken on the reference BLAS compare with nothing
     target, draft = default_pair()
     ours = [sys.executable, "-m", "dflash_mlx", "serve", "--model", target, "--draft", draft, "--block-size",
             args.block_size]
@@ -121,8 +123,9 @@ def main() -> None:
     try:
         for name, argv in commands.items():
             servers[name] = start(name, argv, environments.get(name))
-        for _, port in servers.values():  # warm up: first requests compile and fill allocator pools
-            measure(port, questions[:2], 8, eos)
+        for _, port in servers.values():  # warm up: first requests compile, fill allocator pools, and
+            for c in args.concurrency:  # calibrate the block policy at each row count (done on first use)
+                measure(port, questions[:c], 8, eos)
         runs = {}
         for round_ in range(args.rounds):
             for c in args.concurrency:
@@ -142,6 +145,7 @@ def main() -> None:
             exact = r["texts"] == best["serial"]["texts"]
             median = statistics.median(x["tokens_per_second"] for x in runs[(c, name)])
             results.append(dict(clients=c, system=name, exact=exact, median_tokens_per_second=median,
+                                rounds=[round(x["tokens_per_second"], 2) for x in runs[(c, name)]],
                                 **{k: v for k, v in r.items() if k != "texts"}))
             ratio = lambda other: (f" {r['tokens_per_second'] / best[other]['tokens_per_second']:>8.2f}x"  # noqa: E731
                                    if other in best else "        -")
@@ -149,7 +153,7 @@ def main() -> None:
                   f" {ratio('mlx_lm')}{ratio('serial')}" + (ratio("previous") if "previous" in best else ""))
     if args.out:
         args.out.write_text(json.dumps(dict(max_tokens=args.max_tokens, block_size=args.block_size,
-                                            load=os.getloadavg(), results=results), indent=1))
+                                            blas=dflash_mlx.BLAS, load=os.getloadavg(), results=results), indent=1))
 
 
 if __name__ == "__main__":
