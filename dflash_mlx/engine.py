@@ -312,12 +312,13 @@ class Engine:
         return True
 
     def step(self) -> list[TokenEvent]:
-        """Prefill queued prompts (up to ``prefill_step_size`` tokens while rows decode), then one
-        draft-verify step over every running row, unless a prompt was finished: its first token goes
-        out at once, as mlx_lm's does after prefill. Returns the committed tokens."""
+        """Prefill queued prompts (up to ``prefill_step_size`` tokens while rows decode), then one draft-verify
+        step over every running row; a prompt finished while none decoded sends its first token at once, as
+        mlx_lm's does after prefill (rows decoding never wait for one joining them). Returns the tokens."""
         events: list[TokenEvent] = []
+        decoding = bool(self.rows)
         self._join(events)
-        if self.rows and not events:
+        if self.rows and (decoding or not events):
             self._decode(events)
         self.stats.generation_tokens += len(events)
         return events

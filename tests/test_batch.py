@@ -217,6 +217,24 @@ def test_ragged_drafter_rows_equal_single_rows(tiny_pair, causal):
     assert caches[0].lengths == [4, 4, 4]  # the sliding-window layer keeps what its window shows
 
 
+def test_a_joining_request_does_not_hold_back_the_rows_decoding(family):
+    """A prompt finished while no row decodes sends its first token at once, alone (its time to
+    first token is its prefill's); one that joins decoding rows leaves them their step."""
+    model, _, prompts, refs = family
+    engine, oracle = oracle_engine(model, block_size=4)
+    first = add(engine, oracle, prompts[0], refs[0], WRONG_EVERY[0], MAX_TOKENS[0])
+    events = {}
+    step(engine, events)
+    assert [e.token for e in events[first]] == refs[0][:1]
+    step(engine, events)
+    before = len(events[first])
+    late = add(engine, oracle, prompts[1], refs[1], WRONG_EVERY[1], MAX_TOKENS[1])
+    step(engine, events)
+    assert events[late][0].token == refs[1][0] and len(events[first]) > before
+    collect(engine, events)
+    assert [e.token for e in events[first]] == refs[0] and [e.token for e in events[late]] == refs[1]
+
+
 def test_prefill_budget_holds_only_while_rows_decode(family):
     """An idle engine prefills every request that fits in one step (nothing waits on it); a
     request joining running rows gets at most prefill_step_size prompt tokens per step."""
