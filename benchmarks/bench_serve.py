@@ -14,9 +14,13 @@ Servers run side by side on the built-in pair's target (``dflash_mlx.default``):
 
 At each concurrency c, c clients send the first c MT-Bench questions at once (chat completions,
 greedy, ``--max-tokens`` each, end of text suppressed so every request generates the same count)
-and wait for their answers. The systems take turns for every (round, c), in reverse order every
-other round, so a busy spell on this shared machine falls on all of them; each keeps its best
-round (the JSON also has every round's tokens/s and the median). Aggregate tokens/s is every generated token
+and wait for their answers. The systems take turns for every (round, c), the order rotated by one
+each round, so that over as many rounds as systems each runs in every place (a busy spell on this
+shared machine falls on all of them alike); each keeps its best round (the JSON also has every
+round's tokens/s and the median). Identical code in the ``batched`` and ``previous`` slots has read
+0.98-0.99x (benchmarks/results/serve_8_clients_a_a_2026-12-05.json): compare two releases with the
+slots swapped too (run this script with ``PYTHONPATH=<the other checkout>`` and ``--baseline`` this
+one). Aggregate tokens/s is every generated token
 over the wall time from the first request to the last answer; latency is each request's time to its
 last token, p50 and p95. ``exact`` compares every answer with the serial server's (which the tests hold to
 mlx_lm's greedy decoding). The table goes to stdout and, with ``--out``, JSON.
@@ -130,7 +134,8 @@ def main() -> None:
         for round_ in range(args.rounds):
             for c in args.concurrency:
                 order = list(servers.items())
-                for name, (_, port) in order if round_ % 2 == 0 else order[::-1]:
+                shift = round_ % len(order)
+                for name, (_, port) in order[shift:] + order[:shift]:
                     runs.setdefault((c, name), []).append(measure(port, questions[:c], args.max_tokens, eos))
     finally:
         for process, _ in servers.values():
