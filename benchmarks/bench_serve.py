@@ -18,7 +18,7 @@ and wait for their answers. The systems take turns for every (round, c), the ord
 each round, so that over as many rounds as systems each runs in every place (a busy spell on this
 shared machine falls on all of them alike); each keeps its best round (the JSON also has every
 round's tokens/s and the median). Identical code in the ``batched`` and ``previous`` slots has read
-0.96-0.98x (benchmarks/results/serve_8_clients_a_a_*_2026-12-05.json): compare two releases with the
+0.96-1.01x (benchmarks/results/serve_8_clients_a_a_*_2026-12-05.json): compare two releases with the
 slots swapped too (run this script with ``PYTHONPATH=<the other checkout>`` and ``--baseline`` this
 one). Aggregate tokens/s is every generated token
 over the wall time from the first request to the last answer; latency is each request's time to its
