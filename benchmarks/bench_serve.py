@@ -13,17 +13,17 @@ Servers run side by side on the built-in pair's target (``dflash_mlx.default``):
   first exactly as dflash-mlx loads it, so both use the same BLAS.
 
 At each concurrency c, c clients send the first c MT-Bench questions at once (chat completions,
-greedy, ``--max-tokens`` each, end of text suppressed so every request generates the same count)
-and wait for their answers. The systems take turns for every (round, c), the order rotated by one
-each round, so that over as many rounds as systems each runs in every place (a busy spell on this
-shared machine falls on all of them alike); each keeps its best round (the JSON also has every
-round's tokens/s and the median). Identical code in the ``batched`` and ``previous`` slots has read
+greedy, ``--max-tokens`` each, end of text suppressed so every request generates the same count) and
+wait for their answers. The systems take turns for every (round, c), the order rotated by one each
+round, so that over as many rounds as systems each runs in every place (a busy spell on this shared
+machine falls on all of them alike); each keeps its best round (the JSON also has every round's
+tokens/s and the median). Identical code in the ``batched`` and ``previous`` slots has read
 0.96-1.01x (benchmarks/results/serve_8_clients_a_a_*_2026-12-05.json): compare two releases with the
 slots swapped too (run this script with ``PYTHONPATH=<the other checkout>`` and ``--baseline`` this
-one). Aggregate tokens/s is every generated token
-over the wall time from the first request to the last answer; latency is each request's time to its
-last token, p50 and p95. ``exact`` compares every answer with the serial server's (which the tests hold to
-mlx_lm's greedy decoding). The table goes to stdout and, with ``--out``, JSON.
+one). Aggregate tokens/s is every generated token over the wall time from the first request to the
+last answer; latency is each request's time to its last token, p50 and p95. ``exact`` compares every
+answer with the serial server's (which the tests hold to mlx_lm's greedy decoding). The table goes
+to stdout and, with ``--out``, JSON.
 """
 
 from __future__ import annotations
