@@ -26,10 +26,10 @@ from dflash_mlx.policy import BlockPolicy
 class NeverPlain(BlockPolicy):
     """The adaptive policy with plain decoding taken out of its options."""
 
-    def plan(self, rows):
-        return max(self._options(rows)[1:], key=lambda option: option[0])[1]
+    def plan(self, rows, waiting=False):
+        return max(self._options(rows, waiting=waiting)[1:], key=lambda option: option[0])[1]
 
-    def expects_plain(self, rows) -> bool:
+    def expects_plain(self, rows, waiting=False) -> bool:
         return False
 
 

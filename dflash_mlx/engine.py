@@ -431,7 +431,7 @@ class Engine:
         longest = max(self.policy.max_block_size, self.policy.copy_block_size) - 1
         for r in rows:  # as long as any block may be: a row's tokens past its max_tokens are dropped
             r.copy = r.copies.suggest(longest) if r.copies else None
-        plan = self.policy.plan(rows)
+        plan = self.policy.plan(rows, waiting=bool(self.pending))
         anchors = mx.array([[r.anchor] for r in rows], mx.int32)
         rules = [r.strategy.at(len(r.tokens)) for r in rows]  # each row's block starts at its own position
         proposed = self._propose(plan, anchors, rules)
@@ -505,7 +505,7 @@ class Engine:
             copy_rates.append([rates.rate(j) for j in range(B - 1)])
         grown = tree.build(scores, self.policy.max_tree_budget, [r.anchor for r in rows],
                            columns=self.drafter.vocab_rows, copies=copies, copy_rates=copy_rates)
-        size = self.policy.tree_budget(rows, grown) + 1
+        size = self.policy.tree_budget(rows, grown, bool(self.pending)) + 1
         grown = grown.first(size)
         return Proposals(mx.array(grown.tokens), [None] * len(rows), [None] * len(rows), drafted, grown)
 
@@ -536,7 +536,7 @@ class Engine:
         tokens, accepted, logprobs = zip(*results)
         # Log-probabilities stay lazy: computed only for a caller who reads them.
         outputs = (tokens, accepted, [x for x in (proposed.drafted, *proposed.from_copy) if x is not None])
-        if proposed.width == 1 and not (self.pending and R < self.max_rows) and self.policy.expects_plain(rows):
+        if proposed.width == 1 and not (self.pending and R < self.max_rows) and self.policy.expects_plain(rows, bool(self.pending)):
             # Evaluated apart: in one evaluation with the next forward, reading the tokens would wait for it.
             mx.async_eval(outputs)
             self.ahead = self.target(mx.stack([t[:1] for t in tokens]), self.cache)

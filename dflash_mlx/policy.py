@@ -249,19 +249,30 @@ class BlockPolicy:
             return self.tree_budget_setting
         return max(self.costs.ready(1).rows[1].verify) - 1 if self.adaptive else self.max_block_size - 1
 
-    def tree_budget(self, rows: list[Row], grown: DraftTree) -> int:
-        """Proposals per row to verify of ``grown``'s best-first trees: the most expected tokens per
-        second over the rows (their ``DepthCalibration``) at what verifying that many costs here;
-        without a calibration, or at a fixed budget, all of them."""
+    def tree_budget(self, rows: list[Row], grown: DraftTree, waiting: bool = False) -> int:
+        """Proposals per row to verify of ``grown``'s best-first trees: the most value per second
+        (``worth``) from the rows' expected tokens (their ``DepthCalibration``) at what verifying
+        that many costs here; without a calibration, or at a fixed budget, all of them."""
         N = grown.shape[1]
         if not self.adaptive or self.tree_budget_setting != "auto":
             return N - 1
-        expected = sum(r.acceptance.depths.expected(grown, i) for i, r in enumerate(rows))
+        expected = [r.acceptance.depths.expected(grown, i) for i, r in enumerate(rows)]
         drafted = Plan(self.max_block_size, True)  # the drafter's forward is spent whatever the budget
         draft = self.step_seconds(rows, drafted) - self.step_seconds(rows, Plan(self.max_block_size, False))
-        value = [(len(rows) + expected[n - 1]) / (self.step_seconds(rows, Plan(n, False)) + draft)
-                 for n in range(2, N + 1)]
+        value = [self.worth(rows, [1 + e[n - 1] for e in expected], waiting) /
+                 (self.step_seconds(rows, Plan(n, False)) + draft) for n in range(2, N + 1)]
         return int(np.argmax(value)) + 1
+
+    @staticmethod
+    def worth(rows: list[Row], tokens: list[float], waiting: bool) -> float:
+        """What a step committing ``tokens`` (expected, per row) is worth. With requests waiting to
+        join, a row that finishes sooner frees its place for one: every token counts. With none
+        waiting the rows are a closed batch, done when its slowest row is, and fewer rows cost
+        little less per step here (``costs.py``): a step is worth how far it brings the row with the
+        most steps left, as the share of its room it commits."""
+        if waiting:
+            return sum(tokens)
+        return min(t / max(r.room, 1) for t, r in zip(tokens, rows))
 
     def acceptance(self) -> Acceptance:
         """A new row's estimates."""
@@ -285,25 +296,26 @@ class BlockPolicy:
         drafted = row.acceptance.drafter.expected(n, optimism)
         return max(drafted, copy)  # merged, or the copy alone where it goes further
 
-    def _options(self, rows: list[Row], copies: bool = True) -> list[tuple[float, Plan]]:
-        """Every plan with its expected tokens per second; plain first. ``copies``: count the rows'
-        copy suggestions (else as if there were none)."""
+    def _options(self, rows: list[Row], copies: bool = True, waiting: bool = False) -> list[tuple[float, Plan]]:
+        """Every plan with its value per second (``worth``; ``waiting``: requests wait to join);
+        plain first. ``copies``: count the rows' copy suggestions (else as if there were none)."""
         limit = self._limit(rows)
         optimism = self.optimism / len(rows)
         plans = [PLAIN] + [Plan(B, True) for B in range(2, min(self.max_block_size, limit) + 1)]
         if copies and any(r.copy is not None for r in rows):
             plans += [Plan(B, False) for B in range(2, min(self.copy_block_size, limit) + 1)]
-        return [((len(rows) + sum(self._gain(r, p, optimism, copies) for r in rows)) / self.step_seconds(rows, p), p)
-                for p in plans]
+        return [(self.worth(rows, [1 + self._gain(r, p, optimism, copies) for r in rows], waiting)
+                 / self.step_seconds(rows, p), p) for p in plans]
 
     @staticmethod
     def _limit(rows: list[Row]) -> int:
         """Most tokens per row worth verifying: no row's own cap exceeded, none past every row's end."""
         return min([max(r.room for r in rows)] + [r.block_cap for r in rows if r.block_cap])
 
-    def plan(self, rows: list[Row]) -> Plan:
-        """This step's plan. A fixed size runs the drafter unless every row's copy is expected to
-        go at least as far (the step then skips the drafter)."""
+    def plan(self, rows: list[Row], waiting: bool = False) -> Plan:
+        """This step's plan (``waiting``: requests wait to join, ``_options``). A fixed size runs the
+        drafter unless every row's copy is expected to go at least as far (the step then skips the
+        drafter)."""
         limit = self._limit(rows)
         if not self.adaptive:
             B = min(self.max_block_size, limit)
@@ -312,19 +324,19 @@ class BlockPolicy:
             copies = all(r.copy is not None and r.acceptance.copy_goes_further(r.copy, B - 1, self.optimism)
                          for r in rows)
             return Plan(B, not copies)
-        options = self._options(rows)
+        options = self._options(rows, waiting=waiting)
         plan = max(options, key=lambda o: o[0])[1]
         if self.probes.probe(plan.plain and self.max_block_size > 1 and limit > 1, plan.draft):
             return max(options[1:], key=lambda o: o[0])[1]
         return plan
 
-    def expects_plain(self, rows: list[Row]) -> bool:
+    def expects_plain(self, rows: list[Row], waiting: bool = False) -> bool:
         """Whether the next step decodes plainly unless a copy turns up (the engine then starts it early)."""
         if any(r.block_cap == 1 for r in rows) or self.max_block_size == 1:
             return True
         if not self.adaptive or self.probes.due():
             return False
-        return max(self._options(rows, copies=False), key=lambda o: o[0])[1].plain
+        return max(self._options(rows, copies=False, waiting=waiting), key=lambda o: o[0])[1].plain
 
     def observe(self, rows: list[Row], plan: Plan, seconds: float, ahead: bool = False) -> None:
         """A step of ``plan`` over ``rows`` took ``seconds``; ``ahead``: it started the next step's

@@ -98,6 +98,22 @@ def test_more_rows_take_smaller_blocks():
     assert policy.plan(rows(policy, 4)).block_size in (4, 5, 6)  # interpolated between 1 and 8 rows
 
 
+def test_a_closed_batch_drafts_for_its_slowest_row():
+    """With requests waiting, a row that finishes sooner frees its place for one: a plan is worth
+    every row's tokens. A batch with none waiting ends when its slowest row does: one row the
+    drafter cannot predict makes it decode plainly, unless that row is about to end anyway."""
+    row_costs = RowCosts({1: 1.0, 2: 1.2}, {1: 0.0, 2: 0.05})
+    policy = BlockPolicy(2, StepCosts({1: row_costs, 8: row_costs}, {1: 0.0}), prior=0.6, optimism=0.0,
+                         timed=False)
+    rs = rows(policy, 8)
+    for _ in range(20):  # the drafter keeps missing this row's first proposal
+        rs[0].acceptance.drafter.observe(1, 0)
+    assert policy.plan(rs, waiting=True).block_size == 2  # 8 + 7 x 0.6 tokens for 1.25 s against 8 for 1 s
+    assert policy.plan(rs).block_size == 1  # the slowest row gains nothing from a block of 2
+    rs[0].room = 1
+    assert policy.plan(rs).block_size == 2  # it ends next step: the others are the slowest now
+
+
 def test_a_long_context_takes_smaller_blocks():
     """A verify row's cost grows with the keys it attends to: the same acceptance buys a large block
     after a short prompt and a small one (or none) after a long one."""
