@@ -114,6 +114,20 @@ def test_a_closed_batch_drafts_for_its_slowest_row():
     assert policy.plan(rs).block_size == 2  # it ends next step: the others are the slowest now
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.7, 1.0])
+@pytest.mark.parametrize("table", [FLAT, STEEP], ids=["flat", "steep"])
+def test_one_row_plans_alike_with_or_without_requests_waiting(fraction, table):
+    """A single request is its own slowest row: both values rank its plans alike."""
+
+    def planned(waiting: bool) -> list:
+        policy = BlockPolicy(16, table, probe_every=4)
+        rs = rows(policy, room=40)
+        observe(rs, fraction)
+        return [policy.plan(rs, waiting=waiting) for _ in range(12)]
+
+    assert planned(waiting=False) == planned(waiting=True)
+
+
 def test_a_long_context_takes_smaller_blocks():
     """A verify row's cost grows with the keys it attends to: the same acceptance buys a large block
     after a short prompt and a small one (or none) after a long one."""
