@@ -9,9 +9,9 @@ serving bench does, so every row decodes ``--max-tokens`` and the batch ends whe
 does) for ``this`` (block size auto), ``this:plain`` (block size 1) and ``previous`` (the release in
 ``--baseline``, imported as in ``bench_release.py``, block size auto). Each round runs every system
 once, in an order rotated by round (more than 8 rows queue: ``batch_generate`` decodes 8 at a time,
-and a waiting prompt takes each finished row's place); reported: each system's median seconds, its speed against the
-previous release as the median of per-round ratios, its steps by block size, and whether every
-output equals the previous release's.
+and a waiting prompt takes each finished row's place); reported: each system's median seconds, its
+speed against the previous release as the median of per-round ratios, its steps by block size, and
+whether every output equals the previous release's.
 """
 
 from __future__ import annotations
