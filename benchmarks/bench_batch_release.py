@@ -24,7 +24,7 @@ from pathlib import Path
 
 import dflash_mlx  # before mlx: it loads OpenBLAS
 from bench_release import import_previous
-from dflash_mlx.benchmark import load_dataset
+from dflash_mlx.benchmark import _chat, load_dataset
 from dflash_mlx.default import default_pair
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -42,8 +42,7 @@ def main() -> None:
     pair = default_pair()
     model, tokenizer = dflash_mlx.load(*pair)
     old_model, old_tokenizer = previous.load(*pair)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in load_dataset(args.dataset, args.rows)]
+    prompts = [_chat(tokenizer, q) for q in load_dataset(args.dataset, args.rows)]
     bias = make_logits_processors(logit_bias={tokenizer.eos_token_id: -100.0})
     systems = {"this": (dflash_mlx, model, tokenizer, "auto"), "this:plain": (dflash_mlx, model, tokenizer, 1),
                "previous": (previous, old_model, old_tokenizer, "auto")}

@@ -165,10 +165,10 @@ def main() -> None:
     print(f"{'clients':>7} {'system':>8} {'tok/s':>7} {'p50 s':>7} {'p95 s':>7} {'exact':>6}"
           + "".join(f" {'vs ' + o + ' best/paired':>25}" for o in others))
     for c in args.concurrency:
+        best = {o: max(x["tokens_per_second"] for x in runs[(c, o)]) for o in others}
         for name in raced:
             rounds = runs[(c, name)]
             r = max(rounds, key=lambda x: x["tokens_per_second"])
-            best = {o: max(x["tokens_per_second"] for x in runs[(c, o)]) for o in others}
             paired = {o: ratios(rounds, runs[(c, o)]) for o in others}
             results.append(dict(clients=c, system=name, exact=all(x["exact"] for x in rounds),
                                 median_tokens_per_second=statistics.median(x["tokens_per_second"] for x in rounds),
