@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> None:
 
     from . import BLAS
     from . import kernels
-    from .engine import couples
+    from .request import couples
     from .model import load
 
     if args.num_prompts < 1 or args.max_tokens < 2:

@@ -78,7 +78,7 @@ def _build_prompt(tokenizer, args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
-    from .engine import couples
+    from .request import couples
     from .generation import stream_generate
     from .model import load
     from .server.protocol import check_flags

@@ -11,7 +11,8 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache.prompt import PromptCache
-from .engine import PREFILL_STEP_SIZE, Engine, LogitsProcessor, TokenEvent
+from .engine import PREFILL_STEP_SIZE, Engine
+from .request import LogitsProcessor, TokenEvent
 from .errors import DFlashError
 from .model import DFlashModel
 from .policy import BlockPolicy

@@ -147,7 +147,7 @@ class Acceptance:
 
 
 class Row(Protocol):
-    """What the policy reads of a running request (``engine.Row``)."""
+    """What the policy reads of a running request (``request.Row``)."""
 
     acceptance: Acceptance
     copy: Copy | None  # this step's copy suggestion

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_mlx.engine import TokenEvent
+from dflash_mlx.request import TokenEvent
 from dflash_mlx.server.request import GenerationParams
 from dflash_mlx.stats import EngineStats, SpeculativeStats
 from dflash_mlx.server.http import App, Server

@@ -144,7 +144,7 @@ def save_drafter(path: Path, config: dict, seed: int = 1, dtype=mx.float32) -> P
 
 @dataclass
 class PolicyRow:
-    """What the block policy reads of a running request (``engine.Row``), for driving it alone."""
+    """What the block policy reads of a running request (``request.Row``), for driving it alone."""
 
     acceptance: Acceptance
     copy: Copy | None = None
