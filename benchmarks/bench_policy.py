@@ -26,7 +26,7 @@ from dflash_mlx.policy import BlockPolicy
 class NeverPlain(BlockPolicy):
     """The adaptive policy with plain decoding taken out of its options."""
 
-    def plan(self, rows, waiting=False):
+    def plan(self, rows, waiting=False, head_start=False):
         return max(self._options(rows, waiting=waiting)[1:], key=lambda option: option[0])[1]
 
     def expects_plain(self, rows, waiting=False) -> bool:

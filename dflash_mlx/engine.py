@@ -322,7 +322,8 @@ class Engine:
         longest = max(self.policy.max_block_size, self.policy.copy_block_size) - 1
         for r in rows:  # as long as any block may be: a row's tokens past its max_tokens are dropped
             r.copy = r.copies.suggest(longest) if r.copies else None
-        plan = self.policy.plan(rows, waiting=bool(self.pending))
+        head_start = self.ahead is not None  # the step before ran this one's anchors (``_verify``)
+        plan = self.policy.plan(rows, waiting=bool(self.pending), head_start=head_start)
         anchors = mx.array([[r.anchor] for r in rows], mx.int32)
         rules = [r.strategy.at(len(r.tokens)) for r in rows]  # each row's block starts at its own position
         proposed = self._propose(plan, anchors, rules)
@@ -337,7 +338,7 @@ class Engine:
         self.stats.record_step(R, proposed.width, len(set(verified.accepted)) > 1, done - tic,
                                (drafted_at - tic, done - drafted_at) if self.profile else None,
                                proposed.tree is not None)
-        self.policy.observe(rows, Plan(proposed.width, plan.draft), done - tic, self.ahead is not None)
+        self.policy.observe(rows, Plan(proposed.width, plan.draft), done - tic, self.ahead is not None, head_start)
 
     def _propose(self, plan: Plan, anchors: mx.array, rules: list[Strategy]) -> "Proposals":
         """Every row's proposals after its anchor: a draft tree when the plan drafts and trees may be

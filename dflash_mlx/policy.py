@@ -279,43 +279,58 @@ class BlockPolicy:
         longest = max(self.max_block_size, self.copy_block_size) - 1
         return Acceptance(max(self.max_block_size - 1, 1), max(longest, 1), self.prior, self.decay)
 
-    def step_seconds(self, rows: list[Row], plan: Plan) -> float:
-        R = len(rows)
+    def step_seconds(self, rows: list[Row], plan: Plan, head_start: bool = False) -> float:
+        """What a step of ``plan`` costs here (``_calibrated``), rescaled by the drift for several rows."""
+        seconds = self._calibrated(rows, plan, head_start)
+        return seconds * self.drift.scale(plan.block_size) if self.drift is not None and len(rows) > 1 else seconds
+
+    def _calibrated(self, rows: list[Row], plan: Plan, head_start: bool) -> float:
+        """The calibration's seconds for a step of ``plan``. ``head_start``: the step before already
+        ran this step's anchors (the engine runs a plain step's successor ahead when plain steps are
+        expected), so proposals, e.g. a copy that turned up since, take a second forward of B - 1
+        tokens per row after that one: a block then costs both."""
+        R, B = len(rows), plan.block_size
         context = sum(r.context for r in rows) / R
-        seconds = self.costs.ready(R).step_seconds(R, plan.block_size, plan.draft, context)
-        return seconds * self.drift.scale(plan.block_size) if self.drift is not None and R > 1 else seconds
+        costs = self.costs.ready(R)
+        seconds = costs.step_seconds(R, B, plan.draft, context)
+        if head_start and B > 1:
+            verify = [costs.step_seconds(R, b, False, context) for b in (1, B - 1, B)]
+            seconds += verify[0] + verify[1] - verify[2]
+        return seconds
 
     def _gain(self, row: Row, plan: Plan, optimism: float, copies: bool) -> float:
         """Expected accepted proposals of ``row`` in a step of ``plan`` (its copy counted if ``copies``)."""
         n = plan.block_size - 1
         copy = 0.0
-        if copies and row.copy is not None and n:
-            copy = row.acceptance.copy_rates(row.copy).expected(n, optimism)
+        if copies and row.copy is not None and n:  # a copy proposes as many tokens as it holds
+            copy = row.acceptance.copy_rates(row.copy).expected(min(n, len(row.copy.tokens)), optimism)
         if not plan.draft:
             return copy
         drafted = row.acceptance.drafter.expected(n, optimism)
         return max(drafted, copy)  # merged, or the copy alone where it goes further
 
-    def _options(self, rows: list[Row], copies: bool = True, waiting: bool = False) -> list[tuple[float, Plan]]:
-        """Every plan with its value per second (``worth``; ``waiting``: requests wait to join);
-        plain first. ``copies``: count the rows' copy suggestions (else as if there were none)."""
+    def _options(self, rows: list[Row], copies: bool = True, waiting: bool = False,
+                 head_start: bool = False) -> list[tuple[float, Plan]]:
+        """Every plan with its value per second (``worth``; ``waiting``: requests wait to join;
+        ``head_start``: ``_calibrated``); plain first. ``copies``: count the rows' copy suggestions
+        (else as if there were none)."""
         limit = self._limit(rows)
         optimism = self.optimism / len(rows)
         plans = [PLAIN] + [Plan(B, True) for B in range(2, min(self.max_block_size, limit) + 1)]
         if copies and any(r.copy is not None for r in rows):
             plans += [Plan(B, False) for B in range(2, min(self.copy_block_size, limit) + 1)]
         return [(self.worth(rows, [1 + self._gain(r, p, optimism, copies) for r in rows], waiting)
-                 / self.step_seconds(rows, p), p) for p in plans]
+                 / self.step_seconds(rows, p, head_start), p) for p in plans]
 
     @staticmethod
     def _limit(rows: list[Row]) -> int:
         """Most tokens per row worth verifying: no row's own cap exceeded, none past every row's end."""
         return min([max(r.room for r in rows)] + [r.block_cap for r in rows if r.block_cap])
 
-    def plan(self, rows: list[Row], waiting: bool = False) -> Plan:
-        """This step's plan (``waiting``: requests wait to join, ``_options``). A fixed size runs the
-        drafter unless every row's copy is expected to go at least as far (the step then skips the
-        drafter)."""
+    def plan(self, rows: list[Row], waiting: bool = False, head_start: bool = False) -> Plan:
+        """This step's plan (``waiting``: requests wait to join; ``head_start``: its anchors ran
+        already; ``_options``). A fixed size runs the drafter unless every row's copy is expected to
+        go at least as far (the step then skips the drafter)."""
         limit = self._limit(rows)
         if not self.adaptive:
             B = min(self.max_block_size, limit)
@@ -324,7 +339,7 @@ class BlockPolicy:
             copies = all(r.copy is not None and r.acceptance.copy_goes_further(r.copy, B - 1, self.optimism)
                          for r in rows)
             return Plan(B, not copies)
-        options = self._options(rows, waiting=waiting)
+        options = self._options(rows, waiting=waiting, head_start=head_start)
         plan = max(options, key=lambda o: o[0])[1]
         if self.probes.probe(plan.plain and self.max_block_size > 1 and limit > 1, plan.draft):
             return max(options[1:], key=lambda o: o[0])[1]
@@ -338,16 +353,16 @@ class BlockPolicy:
             return False
         return max(self._options(rows, copies=False, waiting=waiting), key=lambda o: o[0])[1].plain
 
-    def observe(self, rows: list[Row], plan: Plan, seconds: float, ahead: bool = False) -> None:
+    def observe(self, rows: list[Row], plan: Plan, seconds: float, ahead: bool = False,
+                head_start: bool = False) -> None:
         """A step of ``plan`` over ``rows`` took ``seconds``; ``ahead``: it started the next step's
-        forward early (``Drift.observe``). A step after rows joined or left also joined or filtered
-        their caches: its run is not timed."""
+        forward early (``Drift.observe``); ``head_start``: its own anchors ran in the step before
+        (``_calibrated``). A step after rows joined or left also joined or filtered their caches:
+        its run is not timed."""
         R = len(rows)
         steady, self.last_rows = R == self.last_rows, R
         if self.drift is not None and R > 1:
-            calibrated = self.costs.ready(R).step_seconds(R, plan.block_size, plan.draft,
-                                                          sum(r.context for r in rows) / R)
-            self.drift.observe(plan.block_size, seconds, calibrated, ahead, steady)
+            self.drift.observe(plan.block_size, seconds, self._calibrated(rows, plan, head_start), ahead, steady)
 
 
 def make_policy(model: DFlashModel, block_size: int | str | None = None, use_metal: bool | None = None,

@@ -10,8 +10,8 @@ import dflash_mlx
 from dflash_mlx import DFlashModel, Engine, PromptCache, stream_generate
 from dflash_mlx.cache.context import ContextCache
 from dflash_mlx.costs import Costs, RowCosts, StepCosts, calibrate, costs
-from dflash_mlx.policy import make_policy
-from dflash_mlx.policy import BlockPolicy
+from dflash_mlx.copying import Copy
+from dflash_mlx.policy import BlockPolicy, Plan, make_policy
 
 # Step cost in units of one plain decoding step, one row.
 STEEP = StepCosts({1: RowCosts({1: 1.0, 2: 1.9, 4: 3.7, 8: 7.4, 16: 15.0}, {1: 0.0, 2: 0.3, 16: 0.6})}, {1: 0.0})
@@ -159,6 +159,28 @@ def test_timed_policy_follows_observed_step_times():
     policy.observe(rs[:7], one, 5.0)  # a row left: its cache was filtered in this step
     policy.observe(rs[:1], one, 5.0)  # one row: not timed
     assert policy.drift.ratios[1] == pytest.approx(1.0)
+
+
+def test_a_step_whose_anchors_ran_ahead_pays_a_second_forward_for_its_proposals():
+    """With plain steps expected, the engine runs a step's anchors with the step before; a copy
+    that turns up since is verified in a second forward. A copy worth a block from scratch is then
+    worth it only if it goes far, and the step is timed against both forwards."""
+    costs = RowCosts({1: 1.0, 2: 1.1, 8: 1.4, 16: 2.0}, {1: 0.0, 2: 0.1, 8: 0.2})
+    policy = BlockPolicy(8, StepCosts({1: costs, 8: costs}, {1: 0.0}), optimism=0.0)
+    for n in (1, 8):
+        rs = rows(policy, n, copy=Copy(list(range(7)), match=4))
+        for r in rs:
+            for _ in range(20):  # the drafter misses; copies are taken at their prior, 0.5 a token
+                r.acceptance.drafter.observe(1, 0)
+        assert not policy.plan(rs).plain  # 1.99 tokens per row for 1.4 s against 1 for 1 s
+        assert policy.plan(rs, head_start=True).plain  # 1.99 for 1 + 1.35 s
+        for r in rs:
+            for _ in range(20):
+                r.acceptance.copy_rates(r.copy).observe(7, 7)
+        assert policy.plan(rs, head_start=True) == Plan(8, False)  # 8 tokens for 2.35 s
+    policy.observe(rs, Plan(8, False), 5.0)  # 8 rows: timed from the next step on
+    policy.observe(rs, Plan(8, False), 2.35, head_start=True)
+    assert policy.drift.ratios[8] == pytest.approx(1.0)
 
 
 def test_step_costs_interpolate():
