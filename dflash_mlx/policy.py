@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -291,11 +292,11 @@ class BlockPolicy:
         tokens per row after that one: a block then costs both."""
         R, B = len(rows), plan.block_size
         context = sum(r.context for r in rows) / R
-        costs = self.costs.ready(R)
-        seconds = costs.step_seconds(R, B, plan.draft, context)
-        if head_start and B > 1:
-            verify = [costs.step_seconds(R, b, False, context) for b in (1, B - 1, B)]
-            seconds += verify[0] + verify[1] - verify[2]
+        table = self.costs.ready(R)
+        seconds = table.step_seconds(R, B, plan.draft, context)
+        if head_start and B > 1:  # the anchors' forward and the proposals' in place of one of B
+            verify = partial(table.step_seconds, R, draft=False, context=context)
+            seconds += verify(1) + verify(B - 1) - verify(B)
         return seconds
 
     def _gain(self, row: Row, plan: Plan, optimism: float, copies: bool) -> float:
