@@ -1,9 +1,9 @@
 """Cost of verifying a draft tree of N nodes against a 1-token step and an N-token chain.
 
-    python benchmarks/bench_tree_verify.py [--nodes 4 8 16 32] [--rounds 10] [--default-pair]
+    python benchmarks/bench_tree_verify.py [--nodes 4 8 16 32] [--rounds 10] [--context 256] [--default-pair]
         [--out benchmarks/results/tree_verify.json]
 
-Per target, one batch cache (one row) prefilled with a 256-token context, then in interleaved
+Per target, one batch cache (one row) prefilled with a ``--context``-token context (256), then in interleaved
 rounds, each from the same cache state (restored, untimed, after each variant):
 
 - ``plain``: the target forward on 1 token (a plain decoding step);
@@ -67,10 +67,10 @@ def timed(run) -> float:
     return time.perf_counter() - tic
 
 
-def measure(target: Target, nodes: list[int], rounds: int) -> dict:
+def measure(target: Target, nodes: list[int], rounds: int, context: int = CONTEXT) -> dict:
     rng = np.random.default_rng(0)
     cache = target.make_cache(1)
-    target.prefill(mx.array(rng.integers(0, target.vocab_size, CONTEXT)), cache, 512)
+    target.prefill(mx.array(rng.integers(0, target.vocab_size, context)), cache, 512)
     mx.eval([c.state for c in cache if isinstance(c, RaggedKVCache)], [c[1] for c in cache if isinstance(c, ArraysCache)])
     saved = snapshot(cache)
 
@@ -88,7 +88,9 @@ def measure(target: Target, nodes: list[int], rounds: int) -> dict:
         return run
 
     def tree_step(tree: trees.DraftTree):
-        deepest = trees.ancestry(tree.parents[0], int(np.argmax(tree.depths[0])))
+        deepest = [int(np.argmax(tree.depths[0]))]  # its path: node indices from the root down
+        while tree.parents[0, deepest[0]] >= 0:
+            deepest.insert(0, int(tree.parents[0, deepest[0]]))
 
         def run() -> None:
             forward = verify(target, cache, tree)
@@ -105,7 +107,10 @@ def measure(target: Target, nodes: list[int], rounds: int) -> dict:
         shapes[n] = {"depth": int(bushy.depths.max()), "runs": [len(b) for b in bushy.runs()]}
         variants[f"chain{n}"] = chain(n)
         variants[f"tree{n}"] = tree_step(bushy)
-        variants[f"chain_as_tree{n}"] = tree_step(trees.chain([5], [list(rng.integers(0, 100, n - 1))]))
+        # A copy accepted for sure outscores every drafted candidate: the tree is that chain alone.
+        as_chain = trees.build(logits, n - 1, [5], columns=mx.arange(16), copies=[list(rng.integers(0, 100, n - 1))],
+                               copy_rates=[[1.0] * (n - 1)])
+        variants[f"chain_as_tree{n}"] = tree_step(as_chain)
     times = {k: [] for k in variants}
     for k, run in variants.items():  # warm-up
         run()
@@ -132,6 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--context", type=int, default=CONTEXT, help="context tokens before the verified ones")
     parser.add_argument("--default-pair", action="store_true", help="also the built-in pair's target")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -146,9 +152,9 @@ def main() -> None:
         from dflash_mlx.default import default_pair
 
         targets["SmolLM2-135M fp32 (built-in pair)"] = lambda: Target(mlx_lm.load(default_pair()[0])[0], [1, 15, 28])
-    results = {"context": CONTEXT, "rounds": args.rounds, "targets": {}}
+    results = {"context": args.context, "rounds": args.rounds, "targets": {}}
     for name, make in targets.items():
-        results["targets"][name] = row = measure(make(), args.nodes, args.rounds)
+        results["targets"][name] = row = measure(make(), args.nodes, args.rounds, args.context)
         print(f"{name}: plain {row['plain_ms']} ms")
         for n, r in row["nodes"].items():
             print(f"  N={n:>3} depth {r['depth']:>2} runs {r['runs']}  chain {r['chain_vs_plain']:.2f}x  "
