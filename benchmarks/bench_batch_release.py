@@ -27,6 +27,7 @@ from bench_release import import_previous
 from dflash_mlx.benchmark import _chat, load_dataset
 from dflash_mlx.default import default_pair
 from mlx_lm.sample_utils import make_logits_processors
+from side_by_side import rotated
 
 
 def main() -> None:
@@ -58,8 +59,7 @@ def main() -> None:
         run(name, 8)
     seconds, outputs = {name: [] for name in systems}, {}
     for round_ in range(args.rounds):
-        names = list(systems)
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+        for name in rotated(list(systems), round_):
             s, outputs[name] = run(name, args.max_tokens)
             seconds[name].append(s)
     results = []

@@ -27,7 +27,7 @@ class NeverPlain(BlockPolicy):
     """The adaptive policy with plain decoding taken out of its options."""
 
     def plan(self, rows, waiting=False, head_start=False):
-        return max(self._options(rows, waiting=waiting)[1:], key=lambda option: option[0])[1]
+        return max(self._options(rows, waiting=waiting, head_start=head_start)[1:], key=lambda option: option[0])[1]
 
     def expects_plain(self, rows, waiting=False) -> bool:
         return False

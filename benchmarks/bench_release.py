@@ -30,6 +30,7 @@ from pathlib import Path
 import dflash_mlx  # before mlx: it loads OpenBLAS
 from dflash_mlx.benchmark import DATASETS, _chat, _timed, load_dataset, plain_run
 from dflash_mlx.default import default_pair
+from side_by_side import rotated
 
 
 def import_previous(checkout: Path):
@@ -89,7 +90,7 @@ def main() -> None:
                       "tree_steps": 0, "blocks": Counter()} for n in names}
         for i, text in enumerate(load_dataset(dataset, args.num_prompts)):
             prompt, outputs = _chat(tokenizer, text), {}
-            for name in names[i % len(names):] + names[: i % len(names)]:
+            for name in rotated(names, i):
                 run, last = runners[name](prompt, args.max_tokens)
                 t = totals[name]
                 t["tokens"] += len(run.tokens) - 1

@@ -25,6 +25,7 @@ from dflash_mlx.benchmark import DATASETS, _chat, load_dataset, plain_run
 from dflash_mlx.costs import costs
 from dflash_mlx.default import default_pair
 from dflash_mlx.sampling import SamplingParams
+from side_by_side import rotated
 
 
 def ours(model, prompt: list[int], params: SamplingParams, seed: int, max_tokens: int, rule: str, block: str):
@@ -61,7 +62,7 @@ def main() -> None:
             prompt = _chat(tokenizer, text)
             for seed in args.seeds:
                 texts = {}
-                for system in systems[i % len(systems):] + systems[: i % len(systems)]:
+                for system in rotated(systems, i):
                     if system == "mlx_lm":
                         run = plain_run(model.target.model, tokenizer, prompt, args.max_tokens, params.temp, seed,
                                         params.top_p)

@@ -46,6 +46,7 @@ from pathlib import Path
 import dflash_mlx  # its BLAS is the servers' BLAS: they run this Python with the same libraries
 from dflash_mlx.benchmark import load_dataset
 from dflash_mlx.default import default_pair
+from side_by_side import rotated
 
 MLX_LM_SERVER = "import dflash_mlx, sys; from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()"
 SYSTEMS = ("batched", "chains", "serial", "previous", "mlx_lm")
@@ -137,10 +138,9 @@ def main() -> None:
     reference: dict[str, str] = {}  # question -> the serial server's answer, asked alone
     runs: dict[tuple[int, str], list[dict]] = {}
     for session in range(args.sessions):
-        names = list(commands)
         servers = {}
         try:
-            for name in names[session % len(names):] + names[:session % len(names)]:
+            for name in rotated(list(commands), session):
                 servers[name] = start(name, commands[name], environments.get(name))
             for _, port in servers.values():  # warm up: first requests compile, fill allocator pools, and
                 for c in args.concurrency:  # calibrate the block policy at each row count (done on first use)
@@ -151,8 +151,7 @@ def main() -> None:
                     for q in asked:
                         if q not in reference:
                             reference[q] = ask(servers["serial"][1], q, args.max_tokens, eos)[0]
-                    shift = round_ % len(raced)
-                    for name in raced[shift:] + raced[:shift]:
+                    for name in rotated(raced, round_):
                         run = measure(servers[name][1], asked, args.max_tokens, eos)
                         run["exact"] = run.pop("texts") == [reference[q] for q in asked]
                         runs.setdefault((c, name), []).append(run)

@@ -16,6 +16,12 @@ from dflash_mlx.generation import stream_generate
 MAX_TOKENS = 128
 
 
+def rotated(items: list, shift: int) -> list:
+    """``items`` in an order rotated by ``shift``: over len(items) rounds each runs in every place."""
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
 def side_by_side(model, tokenizer, policies: dict, num_prompts: int, prepare=None):
     """Yields (dataset, {system: totals}) for mlx_lm and one DFlash run per entry of ``policies``
     (name -> block_size for ``stream_generate``, or a function making one per prompt).
@@ -27,7 +33,7 @@ def side_by_side(model, tokenizer, policies: dict, num_prompts: int, prepare=Non
         for i, text in enumerate(load_dataset(dataset, num_prompts)):
             prompt = _chat(tokenizer, text)
             outputs = {}
-            for system in systems[i % len(systems):] + systems[: i % len(systems)]:
+            for system in rotated(systems, i):
                 t = totals[system]
                 if system == "mlx_lm":
                     run = plain_run(model.target.model, tokenizer, prompt, MAX_TOKENS, 0.0, 0)

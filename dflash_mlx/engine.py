@@ -428,7 +428,8 @@ class Engine:
         tokens, accepted, logprobs = zip(*results)
         # Log-probabilities stay lazy: computed only for a caller who reads them.
         outputs = (tokens, accepted, [x for x in (proposed.drafted, *proposed.from_copy) if x is not None])
-        if proposed.width == 1 and not (self.pending and R < self.max_rows) and self.policy.expects_plain(rows, bool(self.pending)):
+        joining = self.pending and R < self.max_rows  # a request joins before the next step
+        if proposed.width == 1 and not joining and self.policy.expects_plain(rows, bool(self.pending)):
             # Evaluated apart: in one evaluation with the next forward, reading the tokens would wait for it.
             mx.async_eval(outputs)
             self.ahead = self.target(mx.stack([t[:1] for t in tokens]), self.cache)

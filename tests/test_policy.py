@@ -165,8 +165,8 @@ def test_a_step_whose_anchors_ran_ahead_pays_a_second_forward_for_its_proposals(
     """With plain steps expected, the engine runs a step's anchors with the step before; a copy
     that turns up since is verified in a second forward. A copy worth a block from scratch is then
     worth it only if it goes far, and the step is timed against both forwards."""
-    costs = RowCosts({1: 1.0, 2: 1.1, 8: 1.4, 16: 2.0}, {1: 0.0, 2: 0.1, 8: 0.2})
-    policy = BlockPolicy(8, StepCosts({1: costs, 8: costs}, {1: 0.0}), optimism=0.0)
+    row_costs = RowCosts({1: 1.0, 2: 1.1, 8: 1.4, 16: 2.0}, {1: 0.0, 2: 0.1, 8: 0.2})
+    policy = BlockPolicy(8, StepCosts({1: row_costs, 8: row_costs}, {1: 0.0}), optimism=0.0)
     for n in (1, 8):
         rs = rows(policy, n, copy=Copy(list(range(7)), match=4))
         for r in rs:
