@@ -263,9 +263,12 @@ def commit(target: Target, cache: list, forward: TreeForward, paths: list[list[i
     M the longest path (the drafter's next context: row r's first ``len(paths[r])``)."""
     M = max(map(len, paths))
     index = mx.array([p + [p[-1]] * (M - len(p)) for p in paths])
-    for c in cache:
-        if isinstance(c, RaggedKVCache):
-            c.compact(forward.starts, paths)
+    attention = [c for c in cache if isinstance(c, RaggedKVCache)]
+    for c in attention:
+        c.compact(forward.starts, paths)
+    # Moved now, apart: left to the next forward's graph, the moves cost that step 4-7% more after
+    # 4k tokens of context (the same moves evaluated here take under 1%).
+    mx.async_eval([x for c in attention for x in (c.keys, c.values)])
 
     def along(a: mx.array) -> mx.array:
         return mx.take_along_axis(a, index.reshape(*index.shape, *[1] * (a.ndim - 2)), axis=1)

@@ -171,6 +171,24 @@ def test_walk_follows_the_target_and_never_reaches_padding():
     assert none.paths == [[0], [0]] and none.bonus == [50, 50] and none.left_chain == [False, False]
 
 
+@pytest.mark.parametrize("kept", [[[0, 2, 4], [0, 1]], [[0, 1, 2], [0]], [[0], [0]]])
+def test_compact_leaves_each_row_its_path_at_the_front(kept):
+    """Rows whose path is already at the front (a chain, or a tree walked along its first nodes)
+    keep their columns; any other row's path moves there; either way the row ends after its path."""
+    cache = RaggedKVCache(2)
+    prefix = mx.random.normal((2, 2, 3, 4))
+    cache.update_and_fetch(prefix, -prefix)
+    cache._set_lengths([3, 2])  # ragged: row 1 holds one column fewer
+    nodes = mx.random.normal((2, 2, 5, 4))
+    cache.update_and_fetch(nodes, -nodes)
+    cache.compact([3, 2], kept)
+    assert cache.lengths == [3 + len(kept[0]), 2 + len(kept[1])]
+    for r, (start, path) in enumerate(zip([3, 2], kept)):
+        expected = mx.concatenate([prefix[r, :, :start], nodes[r][:, mx.array(path)]], axis=1)
+        assert mx.array_equal(cache.keys[r, :, : start + len(path)], expected)
+        assert mx.array_equal(cache.values[r, :, : start + len(path)], -expected)
+
+
 def test_coupled_picks_share_noise_by_depth():
     """A node at depth d is picked with the noise of position + d: what a chain at that
     position would draw, so siblings draw alike."""

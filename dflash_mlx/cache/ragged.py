@@ -134,6 +134,9 @@ class RaggedKVCache:
         moved to the front: row r then ends at ``starts[r] + len(kept[r])`` (a draft tree's
         accepted path, tree_verify.commit)."""
         M = max(map(len, kept))
+        if all(k == list(range(len(k))) for k in kept):  # every path already at the front (a chain)
+            self._set_lengths([s + len(k) for s, k in zip(starts, kept)])
+            return
         # Past a row's new end the gather copies columns onto themselves: nothing moves there.
         source = mx.array([[s + (k[j] if j < len(k) else j) for j in range(M)] for s, k in zip(starts, kept)])
         index = source.reshape(len(kept), 1, M, 1)
