@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> None:
     prompts = {d: load_dataset(d, args.num_prompts, args.gsm8k_path, args.mt_bench_path) for d in args.dataset}
     model, tokenizer = load(args.model, args.draft, pipeline=args.pipeline)
     # The seed is reset before every generation; sampled runs stay reproducible (see the flag).
-    args.block_size = default_block_size(args.block_size, args.temp, args.seed, model.block_size, couples(model))
+    args.block_size = default_block_size(args.block_size, args.temp, args.seed is not None, model.block_size, couples(model))
     block = f"auto (up to {model.block_size})" if args.block_size == "auto" else args.block_size
     header = (f"target {args.model}\ndrafter {args.draft}\nBLAS: {BLAS}; kernels: {kernels.get_ops().path}; "
               f"block size {block}; temp {args.temp}; max tokens {args.max_tokens}")

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
-        block_size=default_block_size(args.block_size, args.temp, args.seed, model.block_size, couples(model)),
+        block_size=default_block_size(args.block_size, args.temp, args.seed is not None, model.block_size, couples(model)),
         stop_tokens=stop_tokens,
         draft_window=args.draft_window,
         copy_proposals=args.copy_proposals,

@@ -143,14 +143,15 @@ def add_sampling_arguments(p: argparse.ArgumentParser, temp_help: str = "Samplin
 SEEDED_BLOCK_SIZE = 4
 
 
-def default_block_size(block_size: int | str | None, temp: float, seed: int | None, drafter_block_size: int,
+def default_block_size(block_size: int | str | None, temp: float, seeded: bool, drafter_block_size: int,
                        coupled: bool = True) -> int | str:
-    """``--block-size`` as given, else auto. Coupled sampling commits the same text at every block
-    size, so a seed survives auto's timing-based choices; rejection sampling's draws follow the block
-    sizes, so a seeded run without coupling (``coupled=False``) takes a fixed ``SEEDED_BLOCK_SIZE``."""
+    """``--block-size`` (or ``block_size=``) as given, else auto. Coupled sampling commits the same
+    text at every block size, so a seed survives auto's timing-based choices; rejection sampling's
+    draws follow the block sizes, so a ``seeded`` run without coupling (``coupled=False``) takes a
+    fixed ``SEEDED_BLOCK_SIZE``."""
     if block_size is not None:
         return block_size
-    if temp > 0 and seed is not None and not coupled:
+    if temp > 0 and seeded and not coupled:
         return min(SEEDED_BLOCK_SIZE, drafter_block_size)
     return "auto"
 

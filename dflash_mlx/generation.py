@@ -12,7 +12,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache.prompt import PromptCache
 from .engine import PREFILL_STEP_SIZE, Engine
-from .request import LogitsProcessor, TokenEvent
+from .flags import default_block_size
+from .request import LogitsProcessor, TokenEvent, couples
 from .errors import DFlashError
 from .model import DFlashModel
 from .policy import BlockPolicy
@@ -120,7 +121,8 @@ def stream_generate(
     that row's own token history. ``stop_tokens``: more stop token ids, or sequences of ids.
 
     ``block_size="auto"`` picks each step's block (up to the drafter's) from the measured cost and
-    the running acceptance (``policy.py``); a ``BlockPolicy`` (``policy.make_policy``) tunes it.
+    the running acceptance (``policy.py``); a ``BlockPolicy`` (``policy.make_policy``) tunes it; None
+    (the default) is auto as on the command line (``default_block``).
     ``copy_proposals`` (on by default) lets tokens copied from earlier in the prompt or the output
     stand in for, or merge with, the drafter's proposals (``copying.py``). ``tree_budget``: the
     proposals of a draft tree verified in one target forward (``tree.py``: the drafter's likeliest
@@ -131,7 +133,7 @@ def stream_generate(
     """
     tokenizer = _wrapped(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
-    engine = Engine(model, block_size=block_size, max_rows=1, prefill_step_size=prefill_step_size, use_metal=use_metal,
+    engine = Engine(model, block_size=default_block(block_size, model, temp, sampler), max_rows=1, prefill_step_size=prefill_step_size, use_metal=use_metal,
                     prompt_cache=prompt_cache, copy_proposals=copy_proposals, draft_window=draft_window,
                     tree_budget=tree_budget)
     uid = engine.add(ids, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, sampler=sampler,
@@ -145,6 +147,16 @@ def stream_generate(
                 yield responses(event, stats)
     finally:  # a caller that stops early leaves its caches to the prompt cache as a finished one does
         engine.cancel(uid)
+
+
+def default_block(block_size: int | str | BlockPolicy | None, model: DFlashModel, temp: float,
+                  sampler: Sampler | None) -> int | str | BlockPolicy:
+    """``block_size`` as given, else the command line's default (``flags.default_block_size``): auto,
+    unless the draws of a sampled run follow the block sizes (rejection sampling, an opaque
+    ``sampler``): those keep a fixed block, so that ``mx.random.seed`` still reproduces the text."""
+    if block_size is None and sampler is not None:
+        return model.block_size
+    return default_block_size(block_size, temp, True, model.block_size, couples(model))
 
 
 def generate(
@@ -227,7 +239,7 @@ def batch_generate(
     limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     if len(limits) != len(prompts):
         raise DFlashError(f"max_tokens has {len(limits)} entries for {len(prompts)} prompts: give one per prompt")
-    engine = Engine(model, block_size=block_size, max_rows=completion_batch_size, prefill_step_size=prefill_step_size,
+    engine = Engine(model, block_size=default_block(block_size, model, temp, sampler), max_rows=completion_batch_size, prefill_step_size=prefill_step_size,
                     use_metal=use_metal, copy_proposals=copy_proposals, draft_window=draft_window,
                     prompt_cache=prompt_cache, tree_budget=tree_budget)
     stops = [*tokenizer.eos_token_ids, *stop_tokens]

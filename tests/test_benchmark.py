@@ -35,11 +35,11 @@ def test_benchmark_tiny_pair(tiny_pair, tmp_path, capsys, block):
 def test_seeded_sampling_block_sizes(tiny_pair, tmp_path, capsys):
     # Coupled sampling keeps a seed's text at every block size: auto. Rejection sampling (DFlash2
     # drafters) does not: a fixed block of at most 4.
-    assert default_block_size(None, 0.7, 0, 16) == default_block_size(None, 0.0, 0, 16) == "auto"
-    assert default_block_size(None, 0.7, 0, 16, coupled=False) == SEEDED_BLOCK_SIZE == 4
-    assert default_block_size(None, 0.7, 0, 2, coupled=False) == 2  # never past the drafter's block
-    assert default_block_size(None, 0.7, None, 16, coupled=False) == "auto"
-    assert default_block_size(8, 0.7, 0, 16, coupled=False) == 8
+    assert default_block_size(None, 0.7, True, 16) == default_block_size(None, 0.0, True, 16) == "auto"
+    assert default_block_size(None, 0.7, True, 16, coupled=False) == SEEDED_BLOCK_SIZE == 4
+    assert default_block_size(None, 0.7, True, 2, coupled=False) == 2  # never past the drafter's block
+    assert default_block_size(None, 0.7, False, 16, coupled=False) == "auto"
+    assert default_block_size(8, 0.7, True, 16, coupled=False) == 8
     target, draft = tiny_pair("qwen3")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello there"}) + "\n")

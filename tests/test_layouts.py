@@ -18,6 +18,8 @@ from tiny import LAYOUT_PROMPTS, LAYOUTS, decode
 from dflash_mlx import PromptCache, stream_generate
 from dflash_mlx.cli import main
 from dflash_mlx.convert import convert
+from dflash_mlx.flags import SEEDED_BLOCK_SIZE
+from dflash_mlx.generation import default_block
 from dflash_mlx.models import load_drafter
 from dflash_mlx.kernels import get_ops, rejection_accept_twin
 from dflash_mlx.model import DFlashModel
@@ -244,3 +246,18 @@ def test_dflash2_drafters_are_batched(released_drafters):
     for text, ids in zip(LAYOUT_PROMPTS, response.token_ids):
         assert ids == answers[text][: len(ids)] and len(ids) == 24
     assert response.stats.batched and max(response.stats.rows) == 2 and response.stats.ragged_steps > 0
+
+
+@pytest.mark.parametrize("layout", ["original", "dflash2"])
+def test_the_python_default_block_is_auto_unless_draws_follow_blocks(released_drafters, layout):
+    """As on the command line: auto, but a sampled DFlash2 run (rejection sampling, whose draws
+    follow the block sizes) keeps a fixed block so that mx.random.seed reproduces it, and so does a
+    run with an opaque sampler."""
+    target_dir, tokenizer, folders, _ = released_drafters
+    pair = pair_of(target_dir, folders[layout])
+    assert default_block(None, pair, 0.0, None) == "auto"
+    assert default_block(None, pair, 0.8, None) == ("auto" if layout == "original" else SEEDED_BLOCK_SIZE)
+    assert default_block(None, pair, 0.0, lambda logprobs: mx.argmax(logprobs, -1)) == pair.block_size
+    assert default_block(3, pair, 0.8, None) == 3
+    last = list(stream_generate(pair, tokenizer, LAYOUT_PROMPTS[0], 4))[-1]
+    assert last.stats.adaptive
