@@ -133,9 +133,9 @@ def stream_generate(
     """
     tokenizer = _wrapped(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
-    engine = Engine(model, block_size=default_block(block_size, model, temp, sampler), max_rows=1, prefill_step_size=prefill_step_size, use_metal=use_metal,
-                    prompt_cache=prompt_cache, copy_proposals=copy_proposals, draft_window=draft_window,
-                    tree_budget=tree_budget)
+    engine = Engine(model, block_size=default_block(block_size, model, temp, sampler), max_rows=1,
+                    prefill_step_size=prefill_step_size, use_metal=use_metal, prompt_cache=prompt_cache,
+                    copy_proposals=copy_proposals, draft_window=draft_window, tree_budget=tree_budget)
     uid = engine.add(ids, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, sampler=sampler,
                      stop_tokens=[*tokenizer.eos_token_ids, *stop_tokens], logits_processors=logits_processors,
                      logprobs=True)
@@ -239,9 +239,9 @@ def batch_generate(
     limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     if len(limits) != len(prompts):
         raise DFlashError(f"max_tokens has {len(limits)} entries for {len(prompts)} prompts: give one per prompt")
-    engine = Engine(model, block_size=default_block(block_size, model, temp, sampler), max_rows=completion_batch_size, prefill_step_size=prefill_step_size,
-                    use_metal=use_metal, copy_proposals=copy_proposals, draft_window=draft_window,
-                    prompt_cache=prompt_cache, tree_budget=tree_budget)
+    engine = Engine(model, block_size=default_block(block_size, model, temp, sampler), max_rows=completion_batch_size,
+                    prefill_step_size=prefill_step_size, use_metal=use_metal, copy_proposals=copy_proposals,
+                    draft_window=draft_window, prompt_cache=prompt_cache, tree_budget=tree_budget)
     stops = [*tokenizer.eos_token_ids, *stop_tokens]
     uids = [
         engine.add(encode_prompt(tokenizer, prompt), max_tokens=limit, temp=temp, top_p=top_p, top_k=top_k,

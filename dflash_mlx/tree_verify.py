@@ -266,8 +266,8 @@ def commit(target: Target, cache: list, forward: TreeForward, paths: list[list[i
     attention = [c for c in cache if isinstance(c, RaggedKVCache)]
     for c in attention:
         c.compact(forward.starts, paths)
-    # Moved now, apart: left to the next forward's graph, the moves cost that step 4-7% more after
-    # 4k tokens of context (the same moves evaluated here take under 1%).
+    # Moved now, on their own: left to the next forward's graph, the same moves cost that step
+    # several times more, growing with the context (benchmarks/results/README.md, fourth stop).
     mx.async_eval([x for c in attention for x in (c.keys, c.values)])
 
     def along(a: mx.array) -> mx.array:

@@ -132,11 +132,12 @@ class RaggedKVCache:
     def compact(self, starts: list[int], kept: list[list[int]]) -> None:
         """Of row r's tokens from ``starts[r]`` on, keep those at offsets ``kept[r]`` (ascending),
         moved to the front: row r then ends at ``starts[r] + len(kept[r])`` (a draft tree's
-        accepted path, tree_verify.commit)."""
-        M = max(map(len, kept))
-        if all(k == list(range(len(k))) for k in kept):  # every path already at the front (a chain)
+        accepted path, tree_verify.commit). Rows whose kept tokens already are their first ones move
+        nothing."""
+        if all(k == list(range(len(k))) for k in kept):  # a chain's path always is
             self._set_lengths([s + len(k) for s, k in zip(starts, kept)])
             return
+        M = max(map(len, kept))
         # Past a row's new end the gather copies columns onto themselves: nothing moves there.
         source = mx.array([[s + (k[j] if j < len(k) else j) for j in range(M)] for s, k in zip(starts, kept)])
         index = source.reshape(len(kept), 1, M, 1)
