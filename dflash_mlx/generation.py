@@ -153,10 +153,12 @@ def default_block(block_size: int | str | BlockPolicy | None, model: DFlashModel
                   sampler: Sampler | None) -> int | str | BlockPolicy:
     """``block_size`` as given, else the command line's default (``flags.default_block_size``): auto,
     unless the draws of a sampled run follow the block sizes (rejection sampling, an opaque
-    ``sampler``): those keep a fixed block, so that ``mx.random.seed`` still reproduces the text."""
+    ``sampler``): those keep a fixed block, so that ``mx.random.seed`` still reproduces the text
+    (whether the caller seeded MLX cannot be seen, so every sampled call counts as seeded)."""
     if block_size is None and sampler is not None:
         return model.block_size
-    return default_block_size(block_size, temp, True, model.block_size, couples(model))
+    return default_block_size(block_size, temp, seeded=True, drafter_block_size=model.block_size,
+                              coupled=couples(model))
 
 
 def generate(
