@@ -230,6 +230,7 @@ class Engine:
                     break
             budget -= sum(len(chunk) for _, _, chunk in chunks)
             outputs = self.target.prefill_rows([r.cache for r, _, _ in chunks], [c for _, _, c in chunks])
+            started = []
             for (row, start, chunk), (logits, hidden) in zip(chunks, outputs):
                 self._absorb(row, start, hidden)
                 done = row.prefilled == len(row.prompt)
@@ -240,7 +241,8 @@ class Engine:
                     self.pending.remove(row)
                     if self.prompt_cache is not None:
                         self.prompt_cache.prefilled(row.prompt, row.cache, row.draft_cache)
-                    self._start(row, token, logprobs, events)
+                    started.append((row, token, logprobs))
+            self._start(started, events)
             self.stats.prompt_time += time.perf_counter() - tic
 
     def _absorb(self, row: Row, start: int, hidden: mx.array) -> None:
@@ -270,18 +272,25 @@ class Engine:
         token = row.strategy.at(len(row.prompt)).first(logits, row.subkey())
         return token, _log_softmax(logits[0]) if row.logprobs else None
 
-    def _start(self, row: Row, token: mx.array, logprobs: mx.array | None, events: list[TokenEvent]) -> None:
-        if not self._emit(row, token.tolist(), 0, [logprobs], events):
-            self._save_row(row, row.cache, row.draft_cache)
-            return
-        if self.cache is None:
-            self.cache, self.draft_cache = row.cache, row.draft_cache
-        else:
-            self.target.join(self.cache, row.cache)
-            for batch, one in zip(self.draft_cache, row.draft_cache):
-                batch.extend(one)
-        row.cache = row.draft_cache = None
-        self.rows.append(row)
+    def _start(self, started: list[tuple[Row, mx.array, mx.array | None]], events: list[TokenEvent]) -> None:
+        """Rows whose prompts are in: each sends its first token, and those that go on join the batch
+        together (one concatenation of the batch's caches for all of them, not one per row)."""
+        joining = []
+        for row, token, logprobs in started:
+            if self._emit(row, token.tolist(), 0, [logprobs], events):
+                joining.append(row)
+            else:
+                self._save_row(row, row.cache, row.draft_cache)
+        caches, drafts = [r.cache for r in joining], [r.draft_cache for r in joining]
+        if caches and self.cache is None:
+            self.cache, self.draft_cache = caches.pop(0), drafts.pop(0)
+        if caches:
+            self.target.join(self.cache, *caches)
+            for i, batch in enumerate(self.draft_cache):
+                batch.extend(*(d[i] for d in drafts))
+        for row in joining:
+            row.cache = row.draft_cache = None
+        self.rows += joining
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only the rows ``keep`` (indices into ``self.rows``)."""

@@ -157,10 +157,14 @@ class Target:
         """Tokens each row of ``cache`` holds."""
         return next(c.lengths for c in cache if isinstance(c, RaggedKVCache))
 
-    def join(self, cache: list, other: list) -> None:
-        """Append the rows of ``other`` after those of ``cache`` (``other`` is used up)."""
-        for c, o in zip(cache, other):
-            c.extend(o)
+    def join(self, cache: list, *others: list) -> None:
+        """Append the rows of ``others`` after those of ``cache``, in order (``others`` are used up)."""
+        for i, c in enumerate(cache):
+            if isinstance(c, RaggedKVCache):
+                c.extend(*(o[i] for o in others))
+            else:  # recurrent states: a row's is the same size at any length
+                for o in others:
+                    c.extend(o[i])
 
     def keep(self, cache: list, rows: list[int]) -> None:
         """Keep only the rows ``rows``, in that order."""
@@ -259,8 +263,7 @@ class Target:
         joint = caches[0]
         if len(chunks) > 1:
             joint = self.make_cache(0)
-            for cache in caches:
-                self.join(joint, cache)
+            self.join(joint, *caches)
         logits, hidden = self._forward(rows, joint, [n - 1 for n in lengths])
         if len(chunks) > 1:
             self.rollback(joint, [width - n for n in lengths])  # attention only: no recurrent layers here

@@ -171,6 +171,27 @@ def test_walk_follows_the_target_and_never_reaches_padding():
     assert none.paths == [[0], [0]] and none.bonus == [50, 50] and none.left_chain == [False, False]
 
 
+def test_extend_appends_several_caches_in_one_call():
+    """Rows joining a batch together: each keeps its own keys, values and length whatever the other
+    caches' capacities, and an empty cache joins as rows of nothing."""
+    def cache(lengths):
+        c = RaggedKVCache(len(lengths))
+        if max(lengths):
+            k = mx.random.normal((len(lengths), 2, max(lengths), 4))
+            c.update_and_fetch(k, -k)
+            c._set_lengths(lengths)
+        return c
+
+    parts = [cache([3]), cache([300, 5]), cache([0]), cache([7])]
+    rows = [(None if c.keys is None else c.keys[i, :, :n], n) for c in parts for i, n in enumerate(c.lengths)]
+    joined = parts[0]
+    joined.extend(*parts[1:])
+    assert joined.lengths == [3, 300, 5, 0, 7]
+    for r, (keys, n) in enumerate(rows):
+        assert n == 0 or mx.array_equal(joined.keys[r, :, :n], keys)
+        assert mx.array_equal(joined.values[r, :, :n], -joined.keys[r, :, :n])
+
+
 @pytest.mark.parametrize("kept", [[[0, 2, 4], [0, 1]], [[0, 1, 2], [0]], [[0], [0]]])
 def test_compact_leaves_each_row_its_path_at_the_front(kept):
     """Rows whose path is already at the front (a chain, or a tree walked along its first nodes)

@@ -83,7 +83,7 @@ class ContextCache(RaggedKVCache):
         super().filter(keep)
         self.dropped = [self.dropped[i] for i in keep]
 
-    def extend(self, other: "ContextCache") -> None:
-        dropped = self.dropped + other.dropped
-        super().extend(other)
+    def extend(self, *others: "ContextCache") -> None:
+        dropped = [d for c in (self, *others) for d in c.dropped]
+        super().extend(*others)
         self.dropped = dropped

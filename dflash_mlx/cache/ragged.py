@@ -156,11 +156,13 @@ class RaggedKVCache:
             self.keys, self.values = self.keys[rows, :, :size], self.values[rows, :, :size]
         self._set_lengths(lengths)
 
-    def extend(self, other: "RaggedKVCache") -> None:
-        """Append the rows of ``other`` after this cache's rows."""
-        like = self if other.keys is None else other
-        if like.keys is not None:
-            size = max(c.keys.shape[2] for c in (self, other) if c.keys is not None)
+    def extend(self, *others: "RaggedKVCache") -> None:
+        """Append the rows of ``others`` after this cache's rows, in one concatenation (joining
+        rows one at a time would copy the batch once per row)."""
+        caches = (self, *others)
+        like = next((c for c in caches if c.keys is not None), None)
+        if like is not None:
+            size = max(c.keys.shape[2] for c in caches if c.keys is not None)
 
             def padded(c: RaggedKVCache) -> list[mx.array]:
                 if c.keys is None:
@@ -169,9 +171,9 @@ class RaggedKVCache:
                 pad = [(0, 0), (0, 0), (0, size - c.keys.shape[2]), (0, 0)]
                 return [mx.pad(c.keys, pad), mx.pad(c.values, pad)]
 
-            (k0, v0), (k1, v1) = padded(self), padded(other)
-            self.keys, self.values = mx.concatenate([k0, k1]), mx.concatenate([v0, v1])
-        self._set_lengths(self.lengths + other.lengths)
+            keys, values = zip(*map(padded, caches))
+            self.keys, self.values = mx.concatenate(keys), mx.concatenate(values)
+        self._set_lengths([n for c in caches for n in c.lengths])
 
     @property
     def state(self) -> list[mx.array]:
