@@ -7,18 +7,36 @@ cost grows with the keys it attends to, so a step is priced at the context in us
 linear in between and beyond). Row counts are timed as the engine first runs them (``Costs``).
 ``Drift`` keeps the ratio of observed to calibrated step times, for multi-row steps, whose few
 calibration rounds are the noisiest and miss each row's own per-step work.
+
+A calibration is kept on disk (``calibration_dir()``, one JSON file per key), so that only a pair's
+first process on a machine pays for it (seconds on a CPU): the key names the pair's configs and
+weights, this machine, the kernels, the software and the calibration's own settings, and a file
+whose key, format or figures are not what they should be is skipped with a log line and replaced by
+a fresh calibration. Removing the folder makes the next process measure again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
 import time
 import weakref
 from bisect import bisect_left
 from dataclasses import dataclass
+from typing import ClassVar
+from pathlib import Path
 
 import mlx.core as mx
 
 from . import kernels
+from .cache.layout import pair_digest, software
+from .default import cache_dir
+from .errors import one_line
 from .model import DFlashModel
 from .sampling import Greedy
 
@@ -34,6 +52,8 @@ SHORT_CONTEXT, LONG_CONTEXT = 128, 2048  # the two contexts a verify is timed at
 # context's, so a round of them costs more and its noise is a smaller part of what it times.
 LONG_REPEATS = 2
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)  # batch sizes timed (others interpolated)
+KEPT_FORMAT = "dflash-mlx step costs 1"  # bump when what a kept calibration's figures mean changes
+log = logging.getLogger("dflash_mlx.costs")
 
 
 def interpolate(points: dict[int, float], x: float) -> float:
@@ -61,6 +81,7 @@ class StepCosts:
 
     rows: dict[int, RowCosts]
     per_key: dict[int, float]  # block size -> seconds per row per context token beyond SHORT_CONTEXT
+    source: ClassVar[str] = "given"  # where the figures came from (``Costs.source``), for the stats
 
     def step_seconds(self, rows: int, block_size: int, draft: bool = True, context: float = SHORT_CONTEXT) -> float:
         """A step of ``rows`` rows verifying ``block_size`` tokens each, ``draft``: after a drafter
@@ -87,6 +108,12 @@ def _seconds(fn) -> float:
     return time.perf_counter() - tic
 
 
+def timed_sizes(max_block_size: int) -> list[int]:
+    """The verify sizes a calibration times for a drafter of ``max_block_size``."""
+    largest = max(max_block_size, COPY_BLOCK_SIZE)
+    return sorted({b for b in CALIBRATION_SIZES if b < largest} | {1, max_block_size, largest})
+
+
 def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = None, repeats: int | None = None,
               use_metal: bool | None = None, contexts: tuple[int, ...] = (SHORT_CONTEXT,)) -> list[RowCosts]:
     """Time target verify of ``rows`` rows for a few block sizes after each of ``contexts`` tokens
@@ -103,8 +130,7 @@ def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = No
     ops = kernels.get_ops(use_metal)
     max_block_size = max_block_size or model.block_size
     repeats = repeats or (5 if rows == 1 else 2)
-    largest = max(max_block_size, COPY_BLOCK_SIZE)
-    sizes = sorted({b for b in CALIBRATION_SIZES if b < largest} | {1, max_block_size, largest})
+    sizes = timed_sizes(max_block_size)
     head, greedy = target.head(drafter.vocab_rows), Greedy(ops)
     # Deterministic tokens: calibration must not consume the caller's random stream.
     longest = max(contexts) + max(sizes)
@@ -158,26 +184,116 @@ def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = No
 
 class Costs:
     """A pair's step costs, calibrated as the engine first needs them and kept for as long as the
-    pair lives: one row with its context slope first, then each count in ``ROW_COUNTS`` up to the
-    rows a step runs (more rows never cost less: a count timed faster than a smaller one was noise)."""
+    pair lives, and on disk: one row with its context slope first, then each count in
+    ``ROW_COUNTS`` up to the rows a step runs (more rows never cost less: a count timed faster than a
+    smaller one was noise). ``source`` says where the costs came from, for the stats."""
 
     def __init__(self, model: DFlashModel, use_metal: bool | None = None):
         self.model, self.use_metal = model, use_metal
+        self.path, self.key, why_not = _kept_file(model, use_metal)
+        table = _read(self.path, self.key, model.block_size) if self.path else None
+        if table is not None:
+            self.table, self.source = table, f"read from {self.path}"
+            return
+        tic = time.perf_counter()
         short, long = calibrate(model, 1, use_metal=use_metal, contexts=(SHORT_CONTEXT, LONG_CONTEXT))
         per_key = {b: max(long.verify[b] - short.verify[b], 0.0) / (LONG_CONTEXT - SHORT_CONTEXT) for b in short.verify}
         self.table = StepCosts({1: short}, per_key)
+        why_not = why_not or self._write()
+        self.source = (f"measured in {time.perf_counter() - tic:.1f} s, "
+                       + (f"not kept ({why_not})" if why_not else f"kept in {self.path}"))
 
     def ready(self, rows: int) -> StepCosts:
         """The costs, with row counts timed up to the first count in ``ROW_COUNTS`` >= ``rows``."""
         needed = next((r for r in ROW_COUNTS if r >= rows), ROW_COUNTS[-1])
-        for r in ROW_COUNTS:
-            if r > needed or r in self.table.rows:
-                continue
-            (timed,) = calibrate(self.model, r, use_metal=self.use_metal)
+        missing = [r for r in ROW_COUNTS if r <= needed and r not in self.table.rows]
+        tic = time.perf_counter()
+        for r in missing:
+            (measured,) = calibrate(self.model, r, use_metal=self.use_metal)
             smaller = self.table.rows[max(k for k in self.table.rows if k < r)]
-            self.table.rows[r] = RowCosts({k: max(v, smaller.verify.get(k, 0.0)) for k, v in timed.verify.items()},
-                                          {k: max(v, smaller.draft.get(k, 0.0)) for k, v in timed.draft.items()})
+            self.table.rows[r] = RowCosts({k: max(v, smaller.verify.get(k, 0.0)) for k, v in measured.verify.items()},
+                                          {k: max(v, smaller.draft.get(k, 0.0)) for k, v in measured.draft.items()})
+        if missing:
+            self.source += f"; {', '.join(map(str, missing))} rows measured in {time.perf_counter() - tic:.1f} s"
+            if self.path:
+                self._write()
         return self.table
+
+    def _write(self) -> str | None:
+        """Keep the table in ``self.path`` (written whole under a temp name, then renamed); why not, or None."""
+        data = {"format": KEPT_FORMAT, "key": self.key, "measured": time.time(),
+                "rows": {r: {"verify": c.verify, "draft": c.draft} for r, c in self.table.rows.items()},
+                "per_key": self.table.per_key}
+        temp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temp.write_text(json.dumps(data))
+            os.replace(temp, self.path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                temp.unlink(missing_ok=True)
+            log.warning("could not keep the step costs in %s: %s", self.path, one_line(e))
+            self.path = None
+            return f"could not write {temp.parent}: {one_line(e)}"
+        return None
+
+
+def calibration_dir() -> Path:
+    """Where calibrations are kept between processes."""
+    return cache_dir() / "calibration"
+
+
+def _machine(use_metal: bool | None) -> dict:
+    """What decides step costs besides the pair and the software: the processor, the device, the kernels."""
+    device = mx.default_device()
+    # mx.device_info names the CPU or GPU model; versions of mlx without it have only the Metal one.
+    info = mx.device_info() if hasattr(mx, "device_info") else \
+        mx.metal.device_info() if device == mx.gpu else platform.processor()
+    return {"machine": platform.machine(), "system": platform.system(), "cpus": os.cpu_count(),
+            "device": str(device), "info": info, "kernels": kernels.get_ops(use_metal).path}
+
+
+def _kept_file(model: DFlashModel, use_metal: bool | None) -> tuple[Path | None, str | None, str | None]:
+    """(file, key) a calibration of ``model`` is kept in, or (None, None, why it is not kept)."""
+    if hasattr(model.target, "on_all_ranks"):
+        return None, None, "a sharded target is timed over its ranks' links at every start"
+    settings = [CALIBRATION_SIZES, COPY_BLOCK_SIZE, SHORT_CONTEXT, LONG_CONTEXT, LONG_REPEATS, ROW_COUNTS,
+                model.block_size]
+    described = [KEPT_FORMAT, pair_digest(model), _machine(use_metal), software(), settings]
+    key = hashlib.sha256(json.dumps(described, default=str).encode()).hexdigest()
+    return calibration_dir() / f"{key[:32]}.json", key, None
+
+
+def _seconds_table(table: dict) -> dict[int, float]:
+    out = {int(k): float(v) for k, v in table.items()}
+    if not all(math.isfinite(v) and v >= 0 for v in out.values()):
+        raise ValueError("a time in it is not a number of seconds")
+    return out
+
+
+def _read(path: Path, key: str, max_block_size: int) -> StepCosts | None:
+    """The table kept in ``path``, or None if there is none or it is damaged or foreign (logged)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("skipping the step costs in %s: it is unreadable (%s)", path, one_line(e))
+        return None
+    try:
+        if not isinstance(data, dict) or data.get("format") != KEPT_FORMAT or data.get("key") != key:
+            raise ValueError("it was written for another pair, machine or version")
+        rows = {int(r): RowCosts(_seconds_table(c["verify"]), _seconds_table(c["draft"])) for r, c in data["rows"].items()}
+        table = StepCosts(rows, _seconds_table(data["per_key"]))
+        sizes = timed_sizes(max_block_size)
+        drafted = [b for b in sizes if b <= max_block_size]
+        if 1 not in rows or not set(rows) <= set(ROW_COUNTS) or sorted(table.per_key) != sizes \
+                or any(sorted(c.verify) != sizes or sorted(c.draft) != drafted for c in rows.values()):
+            raise ValueError("its block sizes or row counts are not the ones a calibration times")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("skipping the step costs in %s: %s", path, one_line(e))
+        return None
+    return table
 
 
 _costs: "weakref.WeakKeyDictionary[DFlashModel, Costs]" = weakref.WeakKeyDictionary()

@@ -169,6 +169,7 @@ class Engine:
                                    adaptive=self.policy.adaptive, copy_proposals=self.copy_proposals,
                                    corpus_tokens=len(self.corpus.tokens) if self.corpus else 0,
                                    sampling=strategy.name, sharding=self.stats.sharding, draft_window=self.reach,
+                                   step_costs=self.policy.costs.source if self.policy.adaptive else None,
                                    trees=self.trees or row_tree_refusal(strategy, logits_processors)),
             acceptance=self.policy.acceptance(),
             block_cap=block_size,

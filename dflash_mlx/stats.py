@@ -69,6 +69,7 @@ class SpeculativeStats:
     tree_steps: int = 0  # steps that verified a draft tree
     tree_nodes: int = 0  # their nodes, roots included
     off_chain: int = 0  # tree steps whose accepted path left the drafter's top choices
+    step_costs: str | None = None  # where the adaptive policy's step costs came from (costs.Costs.source)
 
     def record(self, step: Step) -> None:
         """One draft-verify step."""
@@ -142,6 +143,7 @@ def format_stats(response) -> str:
             "Drafter context: " + ("the whole context" if s.draft_window is None else
                                    f"the first {s.draft_window[0]} and the last {s.draft_window[1]} rows"),
             *([f"Sharded: {s.sharding.describe()}"] if s.sharding else []),
+            *([f"Step costs: {s.step_costs}"] if s.step_costs else []),
             f"Peak memory: {response.peak_memory:.3f} GB",
         ]
     )

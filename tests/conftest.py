@@ -23,6 +23,16 @@ from tiny import (  # noqa: E402
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_cache(tmp_path_factory):
+    """The user cache folder (builds, kept calibrations) of this session's processes, in-process and
+    spawned: what tests keep there neither comes from nor outlives the session."""
+    with pytest.MonkeyPatch.context() as patch:
+        folder = tmp_path_factory.mktemp("user-cache")
+        patch.setenv("DFLASH_MLX_CACHE", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """Folders of a tiny target and a random drafter for it, per family."""

@@ -9,6 +9,7 @@ from tiny import OracleDrafter, PolicyRow, ScriptedPolicy
 import dflash_mlx
 from dflash_mlx import DFlashModel, Engine, PromptCache, stream_generate
 from dflash_mlx.cache.context import ContextCache
+from dflash_mlx import costs as costs_module
 from dflash_mlx.costs import Costs, RowCosts, StepCosts, calibrate, costs
 from dflash_mlx.copying import Copy
 from dflash_mlx.policy import BlockPolicy, Plan, make_policy
@@ -222,7 +223,8 @@ def tokens(model, tokenizer, prompt, n=40, **kwargs):
     return [r.token for r in responses], responses[-1].stats
 
 
-def test_calibration_times_every_block_size_and_rows_once(setup):
+def test_calibration_times_every_block_size_and_rows_once(setup, tmp_path, monkeypatch):
+    monkeypatch.setattr(costs_module, "calibration_dir", lambda: tmp_path)  # none kept yet
     model = DFlashModel(setup[0].target, setup[0].drafter)
     table, longer = calibrate(model, max_block_size=8, contexts=(32, 64), repeats=1)
     # Verify timed up to the largest copy-only block, the drafter up to its block.
@@ -237,6 +239,106 @@ def test_calibration_times_every_block_size_and_rows_once(setup):
     # Another pair object over the same models is calibrated on its own.
     assert costs(DFlashModel(model.target, model.drafter)) is not pair_costs
     assert isinstance(make_policy(model, "auto").costs, Costs)
+
+
+@pytest.fixture
+def kept(setup, tmp_path, monkeypatch):
+    """A calibration folder of its own and a stand-in for the timing (what is kept is under test,
+    not the timing): returns (pair, folder, calls), calls counting calibrations."""
+    calls = []
+
+    def calibrate(model, rows=1, use_metal=None, contexts=(costs_module.SHORT_CONTEXT,), **_):
+        calls.append(rows)
+        sizes = costs_module.timed_sizes(model.block_size)
+        return [RowCosts({b: 1e-3 * b * rows * (1 + c / 1e3) for b in sizes},
+                         {b: 1e-4 * b * rows for b in sizes if b <= model.block_size}) for c in contexts]
+
+    monkeypatch.setattr(costs_module, "calibrate", calibrate)
+    monkeypatch.setattr(costs_module, "calibration_dir", lambda: tmp_path / "calibration")
+    return DFlashModel(setup[0].target, setup[0].drafter), tmp_path / "calibration", calls
+
+
+def test_a_calibration_is_kept_for_the_next_process(kept, monkeypatch):
+    model, folder, calls = kept
+    first = Costs(model)
+    assert first.source.startswith("measured in") and f"kept in {first.path}" in first.source
+    assert first.path.parent == folder and calls == [1]
+    first.ready(2)  # row counts timed later are kept too
+    assert calls == [1, 2] and first.source.endswith("; 2 rows measured in 0.0 s")
+    # The next process: a new pair object over the same weights reads the file and times nothing.
+    again = Costs(DFlashModel(model.target, model.drafter))
+    assert again.source == f"read from {first.path}" and calls == [1, 2]
+    assert again.table == first.table and set(again.table.rows) == {1, 2}
+    again.ready(4)
+    assert calls == [1, 2, 4] and set(Costs(model).table.rows) == {1, 2, 4}
+    # Another machine (or kernel path, or version) has a key of its own: measured anew, both kept.
+    monkeypatch.setattr(costs_module, "_machine", lambda use_metal: {"machine": "another"})
+    other = Costs(model)
+    assert other.source.startswith("measured in") and other.path != first.path and calls == [1, 2, 4, 1]
+    assert len(list(folder.glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not json", "another key", "another format", "NaN", "negative",
+                                    "no single row", "other block sizes", "a list"])
+def test_a_damaged_or_foreign_calibration_is_skipped_and_replaced(kept, damage, caplog):
+    import json
+
+    model, folder, calls = kept
+    path = Costs(model).path
+    text = path.read_text()
+    data = json.loads(text)
+    if damage == "truncated":
+        text = text[: len(text) // 2]
+    elif damage == "not json":
+        text = "\x00\x01 garbage"
+    else:
+        if damage == "another key":
+            data["key"] = "0" * 64
+        elif damage == "another format":
+            data["format"] = "dflash-mlx step costs 0"
+        elif damage in ("NaN", "negative"):
+            data["rows"]["1"]["verify"]["2"] = float("nan") if damage == "NaN" else -1.0
+        elif damage == "no single row":
+            data["rows"] = {"2": data["rows"]["1"]}
+        elif damage == "other block sizes":
+            del data["rows"]["1"]["verify"]["4"]
+        else:
+            data = [data]
+        text = json.dumps(data)
+    path.write_text(text)
+    with caplog.at_level("WARNING", logger="dflash_mlx.costs"):
+        fresh = Costs(DFlashModel(model.target, model.drafter))
+    assert calls == [1, 1] and fresh.source.startswith("measured in")  # not loaded: timed again
+    assert "skipping the step costs in" in caplog.text and str(path) in caplog.text
+    assert Costs(model).source == f"read from {path}" and calls == [1, 1]  # and replaced by a sound one
+
+
+def test_a_calibration_that_cannot_be_kept_says_so(kept, tmp_path, monkeypatch):
+    model, _, calls = kept
+    (tmp_path / "a file").write_text("")
+    monkeypatch.setattr(costs_module, "calibration_dir", lambda: tmp_path / "a file" / "calibration")
+    table = Costs(model)
+    assert table.source.startswith("measured in") and "not kept (could not write" in table.source
+    assert table.ready(2).rows.keys() == {1, 2} and calls == [1, 2]
+
+
+def test_the_stats_say_where_step_costs_came_from(tiny_pair, capsys, tmp_path, monkeypatch):
+    from dflash_mlx.cli import main
+
+    target, draft = tiny_pair("qwen3")
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    said = []
+    for _ in range(2):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--model", str(target), "--draft", str(draft), "--prompt", "Hello there",
+                  "--max-tokens", "8", "--block-size", "auto"])
+            raise SystemExit(0)
+        out = capsys.readouterr().out
+        assert exit_info.value.code == 0
+        said.append(next(line for line in out.splitlines() if line.startswith("Step costs:")))
+    (path,) = (tmp_path / "calibration").glob("*.json")
+    assert said[0].startswith("Step costs: measured in") and said[0].endswith(f"kept in {path}")
+    assert said[1] == f"Step costs: read from {path}"
 
 
 def test_a_stretched_cache_attends_like_a_context_that_long(setup):

@@ -40,6 +40,11 @@ def _version(package: str) -> str:
         return "unknown"
 
 
+def software() -> dict[str, str]:
+    """The versions of the packages whose code decides what a model computes here."""
+    return {p: _version(p) for p in ("mlx", "mlx-lm", "dflash-mlx")}
+
+
 def raw(x: mx.array) -> mx.array:
     """``x`` as a dtype numpy can hold bit for bit (bfloat16 as uint16)."""
     return x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
@@ -63,8 +68,9 @@ def _args(args: Any) -> Any:
     return asdict(args) if is_dataclass(args) else dict(vars(args))
 
 
-def _pair_digest(model: Any) -> str:
-    """The pair's part of the key, computed once per ``DFlashModel``."""
+def pair_digest(model: Any) -> str:
+    """A digest of the pair's configs and weights (the pair's part of a key), computed once per
+    ``DFlashModel``."""
     if model not in _fingerprints:
         target, drafter = model.target, model.drafter
         policy = target.cache_policy
@@ -91,8 +97,7 @@ class Layout:
     @classmethod
     def of(cls, model: Any, draft_window: tuple[int, int] | None = None) -> "Layout":
         drafter_caches = [(c.keep, c.recent) for c in model.drafter.make_cache(draft_window)]
-        described = [FORMAT, _pair_digest(model), drafter_caches,
-                     {p: _version(p) for p in ("mlx", "mlx-lm", "dflash-mlx")}]
+        described = [FORMAT, pair_digest(model), drafter_caches, software()]
         key = hashlib.sha256(json.dumps(described).encode()).hexdigest()
         return cls(key, not model.target.cache_policy.mixers, model, draft_window)
 

@@ -183,7 +183,9 @@ class Worker(threading.Thread):
         self.metrics.prompt_cache = self.prompt_cache
         self.engine = self._engine()
         if self.args.block_size == "auto":  # calibrate now, not during the first requests
-            costs(self.model).ready(self.engine.max_rows)
+            pair_costs = costs(self.model)
+            pair_costs.ready(self.engine.max_rows)
+            logging.info("step costs: %s", pair_costs.source)
 
     def _engine(self):
         from ..engine import Engine
