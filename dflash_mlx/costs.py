@@ -52,6 +52,9 @@ SHORT_CONTEXT, LONG_CONTEXT = 128, 2048  # the two contexts a verify is timed at
 # context's, so a round of them costs more and its noise is a smaller part of what it times.
 LONG_REPEATS = 2
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)  # batch sizes timed (others interpolated)
+# Runs ahead timed to learn whether running ahead frees the host, and the least share of a forward
+# left running after async_eval returns (``Overlap``) for it to.
+OVERLAP_SAMPLES, RUN_AHEAD_OVERLAP = 3, 0.5
 KEPT_FORMAT = "dflash-mlx step costs 1"  # bump when what a kept calibration's figures mean changes
 log = logging.getLogger("dflash_mlx.costs")
 
@@ -297,6 +300,7 @@ def _read(path: Path, key: str, max_block_size: int) -> StepCosts | None:
 
 
 _costs: "weakref.WeakKeyDictionary[DFlashModel, Costs]" = weakref.WeakKeyDictionary()
+_overlaps: "weakref.WeakKeyDictionary[DFlashModel, Overlap]" = weakref.WeakKeyDictionary()
 
 
 def costs(model: DFlashModel, use_metal: bool | None = None) -> Costs:
@@ -304,6 +308,48 @@ def costs(model: DFlashModel, use_metal: bool | None = None) -> Costs:
     if model not in _costs:
         _costs[model] = Costs(model, use_metal)
     return _costs[model]
+
+
+class Overlap:
+    """How much of a plain step's target forward still runs once ``mx.async_eval`` has handed it
+    over: what the host could spend building the next step while it runs. Starting a plain step's
+    successor early, as mlx_lm does, pays only where that share is large: on a GPU, MLX queues
+    command buffers and should return early, while its CPU backend keeps only a few operations in
+    flight, so there async_eval returns near the forward's end and running ahead only moves a
+    forward's wait into the step that starts it (and splits the forward of a step that then
+    verifies a copy). Measured
+    on a pair's first ``OVERLAP_SAMPLES`` runs ahead, by waiting for each (the next step would
+    have); running ahead is assumed to pay until then."""
+
+    def __init__(self):
+        self.shares: list[float] = []
+
+    @property
+    def frees_host(self) -> bool:
+        return len(self.shares) < OVERLAP_SAMPLES or max(self.shares) >= RUN_AHEAD_OVERLAP
+
+    def start(self, arrays) -> None:
+        """``mx.async_eval(arrays)``, timed to their end while the share is being measured."""
+        tic = time.perf_counter()
+        mx.async_eval(arrays)
+        if len(self.shares) < OVERLAP_SAMPLES:
+            handed = time.perf_counter()
+            mx.eval(arrays)
+            done = time.perf_counter()
+            self.shares.append((done - handed) / max(done - tic, 1e-9))
+
+    def describe(self) -> str:
+        if len(self.shares) < OVERLAP_SAMPLES:
+            return "on (its payoff not measured yet)"
+        share = f"{max(self.shares):.0%} of a forward runs after async_eval returns here"
+        return f"on ({share})" if self.frees_host else f"off ({share}: it would not free the host)"
+
+
+def overlap(model: DFlashModel) -> Overlap:
+    """The pair's ``Overlap``, measured as its engines first run ahead and remembered after."""
+    if model not in _overlaps:
+        _overlaps[model] = Overlap()
+    return _overlaps[model]
 
 
 class Drift:

@@ -17,7 +17,8 @@ One step (``Engine.step``):
 
 A single request is a batch of one and runs the same step; at one row nothing is padded. One host
 sync per step reads what every row committed (top-p sampling adds one, ``sampling.nucleus``). When plain steps are expected and nobody waits to
-join, a plain step starts the next one's forward before the host reads its tokens, as mlx_lm does.
+join, a plain step starts the next one's forward before the host reads its tokens, as mlx_lm does,
+where that frees the host (``BlockPolicy.runs_ahead``).
 Requests join and leave between steps; a request whose prompt extends an earlier one starts from the
 prompt cache (``cache/prompt.py``). The engine is not thread-safe: one thread calls ``add``,
 ``cancel`` and ``step``.
@@ -439,11 +440,11 @@ class Engine:
         # Log-probabilities stay lazy: computed only for a caller who reads them.
         outputs = (tokens, accepted, [x for x in (proposed.drafted, *proposed.from_copy) if x is not None])
         joining = self.pending and R < self.max_rows  # a request joins before the next step
-        if proposed.width == 1 and not joining and self.policy.expects_plain(rows, bool(self.pending)):
+        if proposed.width == 1 and not joining and self.policy.runs_ahead and self.policy.expects_plain(rows, bool(self.pending)):
             # Evaluated apart: in one evaluation with the next forward, reading the tokens would wait for it.
             mx.async_eval(outputs)
             self.ahead = self.target(mx.stack([t[:1] for t in tokens]), self.cache)
-            mx.async_eval(self.ahead)
+            self.policy.start_ahead(self.ahead)
         mx.eval(outputs)
         accepted = mx.stack(accepted).tolist()
         if proposed.width > 1:  # a plain step rejects nothing (and may have run ahead since)
@@ -542,6 +543,8 @@ class Engine:
             reason = "stop" if row.matcher.advance(token) else None
             if reason is None and row.produced == row.max_tokens:
                 reason = "length"
+            if reason:
+                row.stats.run_ahead = self.policy.describe_run_ahead()
             events.append(TokenEvent(row.uid, token, j < accepted, reason, lp, row.stats if reason else None))
             if reason:
                 return False

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
+import mlx.core as mx
 import numpy as np
 
 from .copying import Copy, common_run
-from .costs import COPY_BLOCK_SIZE, Costs, Drift, costs
+from .costs import COPY_BLOCK_SIZE, Costs, Drift, Overlap, costs, overlap
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
 from .tree import DraftTree
@@ -228,8 +229,9 @@ class BlockPolicy:
 
     def __init__(self, max_block_size: int, costs: Costs | None = None, *, prior: float = 0.6, decay: float = 0.8,
                  optimism: float = 0.3, probe_every: int = 16, copy_block_size: int | None = None,
-                 timed: bool = True, tree_budget: int | str = "auto"):
+                 timed: bool = True, tree_budget: int | str = "auto", overlap: Overlap | None = None):
         self.costs, self.max_block_size = costs, max_block_size
+        self.overlap = overlap  # whether running ahead frees the host here (None: take it that it does)
         self.tree_budget_setting = tree_budget
         self.prior, self.decay, self.optimism = prior, decay, optimism
         # Copy-only steps run no drafter, so the drafter's block does not bound them.
@@ -346,8 +348,24 @@ class BlockPolicy:
             return max(options[1:], key=lambda o: o[0])[1]
         return plan
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether a plain step expected to be followed by another starts that one's forward early."""
+        return self.overlap is None or self.overlap.frees_host
+
+    def start_ahead(self, arrays) -> None:
+        """Hand the next step's early forward to MLX (``Overlap.start``)."""
+        if self.overlap is None:
+            mx.async_eval(arrays)
+        else:
+            self.overlap.start(arrays)
+
+    def describe_run_ahead(self) -> str:
+        return "on" if self.overlap is None else self.overlap.describe()
+
     def expects_plain(self, rows: list[Row], waiting: bool = False) -> bool:
-        """Whether the next step decodes plainly unless a copy turns up (the engine then starts it early)."""
+        """Whether the next step decodes plainly unless a copy turns up (the engine then starts it
+        early, where that frees the host: ``runs_ahead``)."""
         if any(r.block_cap == 1 for r in rows) or self.max_block_size == 1:
             return True
         if not self.adaptive or self.probes.due():
@@ -372,10 +390,10 @@ def make_policy(model: DFlashModel, block_size: int | str | None = None, use_met
     on first use: ``costs.py``) or None (the drafter's block size, fixed);
     keyword arguments go to ``BlockPolicy``."""
     if block_size == "auto":
-        return BlockPolicy(model.block_size, costs(model, use_metal), **kwargs)
+        return BlockPolicy(model.block_size, costs(model, use_metal), overlap=overlap(model), **kwargs)
     block_size = model.block_size if block_size is None else block_size
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise DFlashError(f"block size {block_size!r} is not an integer or 'auto'")
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise DFlashError(f"block size {block_size} is out of range: use 1..{MAX_BLOCK_SIZE} or 'auto'")
-    return BlockPolicy(block_size, **kwargs)
+    return BlockPolicy(block_size, overlap=overlap(model), **kwargs)

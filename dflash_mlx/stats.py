@@ -70,6 +70,7 @@ class SpeculativeStats:
     tree_nodes: int = 0  # their nodes, roots included
     off_chain: int = 0  # tree steps whose accepted path left the drafter's top choices
     step_costs: str | None = None  # where the adaptive policy's step costs came from (costs.Costs.source)
+    run_ahead: str | None = None  # whether plain steps started their successors early, and why
 
     def record(self, step: Step) -> None:
         """One draft-verify step."""
@@ -132,7 +133,7 @@ def format_stats(response) -> str:
             f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec",
             f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec",
             f"Acceptance: tau {s.tau:.2f} tokens/step over {len(s.acceptance_lengths)} steps "
-            f"({s.describe()}; kernels: {s.kernels})",
+            f"({s.describe()}; kernels: {s.kernels}" + (f"; run ahead: {s.run_ahead}" if s.run_ahead else "") + ")",
             *(f"Kernel fallback to the MLX twin: {reason}" for reason in sorted(s.kernel_fallbacks)),
             f"Accepted proposals: {s.drafted} drafted, {s.copied} copied"
             + (f" ({s.copy_steps} steps held copies; {s.describe_corpus()})" if s.copy_proposals

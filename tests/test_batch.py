@@ -24,6 +24,7 @@ from dflash_mlx import DFlashModel, Engine, PromptCache, batch_generate, stream_
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.kernels import get_ops
 from dflash_mlx.models import Drafter
+from dflash_mlx.policy import BlockPolicy
 from dflash_mlx.sampling import SamplingParams, probabilities
 from dflash_mlx.target import Target
 
@@ -321,7 +322,7 @@ def test_plain_steps_run_ahead_while_rows_join_and_leave(family):
 def test_a_plain_step_is_read_without_waiting_for_the_next_forward(family, monkeypatch):
     model, _, prompts, refs = family
     calls = async_evaluations(monkeypatch)
-    engine, oracle = oracle_engine(model, block_size=1)
+    engine, oracle = oracle_engine(model, block_size=BlockPolicy(1))  # runs ahead: no Overlap measured
     uids = [add(engine, oracle, p, r, w, n) for p, r, w, n in zip(prompts, refs, WRONG_EVERY, MAX_TOKENS)]
     events = collect(engine)
     assert [[e.token for e in events[u]] for u in uids] == refs

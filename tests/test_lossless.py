@@ -8,6 +8,7 @@ from tiny import OracleDrafter, async_evaluations, reads_apart_from_next_forward
 
 import dflash_mlx
 from dflash_mlx import DFlashModel, stream_generate
+from dflash_mlx.policy import BlockPolicy
 
 PROMPTS = [
     "Hello",
@@ -60,11 +61,12 @@ def test_greedy_matches_mlx_lm(family, block_size, drafter):
 
 
 def test_a_plain_step_is_read_without_waiting_for_the_next_forward(family, monkeypatch):
-    """Plain steps start the next forward early (mlx_lm's pipelining); their own outputs must be
+    """Plain steps start the next forward early (mlx_lm's pipelining, where it frees the host: a
+    policy without a measured ``Overlap`` takes it that it does); their own outputs must be
     evaluated apart from it, or reading the token waits for that forward (one MLX evaluation)."""
     model, tokenizer, prompts, refs = family
     calls = async_evaluations(monkeypatch)
-    out, stats = dflash(model, tokenizer, prompts[1], 1)
+    out, stats = dflash(model, tokenizer, prompts[1], BlockPolicy(1))
     assert out == refs[1][: len(out)] and set(stats.block_sizes) == {1}
     assert reads_apart_from_next_forward(calls)
 

@@ -341,6 +341,48 @@ def test_the_stats_say_where_step_costs_came_from(tiny_pair, capsys, tmp_path, m
     assert said[1] == f"Step costs: read from {path}"
 
 
+@pytest.mark.parametrize("device", ["gpu-like", "cpu-like"])
+def test_running_ahead_is_kept_only_where_the_forward_runs_on_after_async_eval(device, monkeypatch):
+    """Overlap times a pair's first runs ahead to their end: where async_eval hands the work over at
+    once (a GPU queue) running ahead stays on; where it returns only as the work ends (MLX's CPU
+    backend) it is turned off, and says why."""
+    import time
+
+    work = 0.02
+    # The time async_eval blocks and the time left after it, per device.
+    blocked, left = (0.0, work) if device == "gpu-like" else (work, 0.0)
+    monkeypatch.setattr(costs_module.mx, "async_eval", lambda *a: time.sleep(blocked))
+    monkeypatch.setattr(costs_module.mx, "eval", lambda *a: time.sleep(left))
+    overlap = costs_module.Overlap()
+    for _ in range(costs_module.OVERLAP_SAMPLES):
+        assert overlap.frees_host and overlap.describe() == "on (its payoff not measured yet)"
+        overlap.start([])
+    assert overlap.frees_host == (device == "gpu-like")
+    assert all(share > 0.9 if device == "gpu-like" else share < 0.1 for share in overlap.shares)
+    said = overlap.describe()
+    assert said.startswith("on (") if device == "gpu-like" else said.startswith("off (") and "not free the host" in said
+    overlap.start([])  # measured: no more waiting
+    assert len(overlap.shares) == costs_module.OVERLAP_SAMPLES
+
+
+def test_plain_steps_run_ahead_only_where_it_frees_the_host(setup):
+    model, tokenizer, prompt, ref = setup
+    model = DFlashModel(model.target, model.drafter)
+    for measured, expected in ((0.9, "on (90%"), (0.1, "off (10%")):
+        policy = make_policy(model, 1)
+        policy.overlap.shares = [measured] * costs_module.OVERLAP_SAMPLES
+        engine = Engine(model, block_size=policy)
+        uid, ahead = engine.add(prompt, max_tokens=24), []
+        events = []
+        while not engine.idle:
+            events += engine.step()
+            ahead.append(engine.ahead is not None)
+        assert [e.token for e in events] == ref[:24]  # lossless either way
+        assert any(ahead) == (measured > 0.5)
+        assert events[-1].stats.run_ahead.startswith(expected) and uid == events[-1].uid
+    assert policy.overlap is make_policy(model, "auto").overlap  # measured once per pair
+
+
 def test_a_stretched_cache_attends_like_a_context_that_long(setup):
     """Calibration times long contexts on a short one's keys repeated: the verify after it must
     see as many keys, at the positions a real context that long would give it."""
