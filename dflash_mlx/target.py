@@ -23,6 +23,8 @@ from .cache.rollback import CachePolicy
 # block input is the scaled embedding, what the target's first layer sees.
 _BF16_SQRT_H_EMBEDDING = {"gemma3", "gemma3_text"}
 _SQRT_H_EMBEDDING = {"gemma", "gemma2"}
+# Most pads a batched prefill forward may hold, as a share of its tokens (``even_groups``).
+PREFILL_PADDING = 0.25
 
 
 class _Tap:
@@ -252,11 +254,21 @@ class Target:
 
         The rows are stacked into one ragged cache, each chunk right-padded to the longest (attention
         is causal, so no prompt token sees a pad, and each row's pads are trimmed off after), then
-        split back. Recurrent layers would run the pads through their state, so those targets
-        prefill one request at a time.
+        split back. Chunks of uneven lengths go in several forwards, so that pads stay under a
+        quarter of the tokens (``even_groups``): a request whose prompt the prompt cache holds but
+        for its last token, padded to a new request's 100 tokens, would cost 100 tokens. Recurrent
+        layers would run the pads through their state, so those targets prefill one request at a
+        time.
         """
         if len(chunks) > 1 and self.cache_policy.mixers:
             return [self.prefill_rows([c], [t])[0] for c, t in zip(caches, chunks)]
+        groups = even_groups([len(tokens) for tokens in chunks])
+        if len(groups) > 1:
+            outputs = [None] * len(chunks)
+            for group in groups:
+                for i, out in zip(group, self.prefill_rows([caches[i] for i in group], [chunks[i] for i in group])):
+                    outputs[i] = out
+            return outputs
         lengths = [len(tokens) for tokens in chunks]
         width = max(lengths)
         rows = mx.array([tokens + [0] * (width - len(tokens)) for tokens in chunks], mx.int32)
@@ -271,6 +283,23 @@ class Target:
             for r, cache in enumerate(caches):
                 cache[:] = self.take(joint, r, held[r])
         return [(logits[r : r + 1, 0], hidden[r : r + 1, :n]) for r, n in enumerate(lengths)]
+
+
+def even_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list[list[int]]:
+    """Indices of ``lengths`` in groups of one forward each, longest first: a group takes the next
+    longest row while its pads (each row padded to the group's longest) stay within ``padding``
+    times its tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None:
+            tokens = sum(lengths[j] for j in group) + lengths[i]
+            if lengths[group[0]] * (len(group) + 1) - tokens <= padding * tokens:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
 
 
 def _embed_scale(model: nn.Module, model_type: str, hidden_size: int) -> mx.array | None:

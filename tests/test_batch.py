@@ -26,7 +26,7 @@ from dflash_mlx.kernels import get_ops
 from dflash_mlx.models import Drafter
 from dflash_mlx.policy import BlockPolicy
 from dflash_mlx.sampling import SamplingParams, probabilities
-from dflash_mlx.target import Target
+from dflash_mlx.target import Target, even_groups
 
 PROMPTS = [
     "Hello",
@@ -269,12 +269,20 @@ def test_hybrid_and_sliding_window_targets_are_batched(name):
     assert engine.stats.batched and engine.stats.ragged_steps > 0
 
 
-def test_joining_prompts_are_prefilled_together(family):
-    """Chunks of different lengths, one after a cached prefix, in one forward: each row's logits,
-    hidden states and caches as if it had been prefilled alone."""
+def test_joining_prompts_are_prefilled_together(family, monkeypatch):
+    """Chunks of different lengths, some after a cached prefix, in as few forwards as keep pads under
+    a quarter of the tokens: each row's logits, hidden states and caches as if it had been
+    prefilled alone."""
     model, _, prompts, _ = family
     target = model.target
-    cases = [([], prompts[0]), (prompts[1][:6], prompts[1][6:]), ([], prompts[2][:10])]
+    # 12 and 10 tokens share a forward (4 pads of 22 tokens); a last token after a cached prompt
+    # and a 2-token chunk go in their own (padding the 1 to 12 would be 11 pads for 1 token).
+    cases = [(prompts[2][:8], prompts[2][8:20]), ([], prompts[2][:1]), (prompts[1][:6], prompts[1][6:8]),
+             ([], prompts[2][:10])]
+    assert even_groups([len(chunk) for _, chunk in cases]) == [[0, 3], [2], [1]]
+    forwards, forward = [], type(target)._forward
+    monkeypatch.setattr(type(target), "_forward", lambda self, rows, *a: (forwards.append(rows.shape),
+                                                                          forward(self, rows, *a))[1])
 
     def caches(prefix):
         cache = target.make_cache()
@@ -284,7 +292,9 @@ def test_joining_prompts_are_prefilled_together(family):
 
     alone = [(c := caches(prefix), *target.prefill_rows([c], [chunk])[0]) for prefix, chunk in cases]
     rows = [caches(prefix) for prefix, _ in cases]
+    forwards.clear()
     together = [(c, *out) for c, out in zip(rows, target.prefill_rows(rows, [chunk for _, chunk in cases]))]
+    assert forwards == [(2, 12), (1, 2), (1, 1)]
     probe = mx.array([[5]])
     for (c1, logits1, hidden1), (c2, logits2, hidden2) in zip(alone, together):
         assert logits1.shape == logits2.shape and hidden1.shape == hidden2.shape
