@@ -28,8 +28,8 @@ import time
 import weakref
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 import mlx.core as mx
 
@@ -286,7 +286,8 @@ def _read(path: Path, key: str, max_block_size: int) -> StepCosts | None:
     try:
         if not isinstance(data, dict) or data.get("format") != KEPT_FORMAT or data.get("key") != key:
             raise ValueError("it was written for another pair, machine or version")
-        rows = {int(r): RowCosts(_seconds_table(c["verify"]), _seconds_table(c["draft"])) for r, c in data["rows"].items()}
+        rows = {int(r): RowCosts(_seconds_table(c["verify"]), _seconds_table(c["draft"]))
+                for r, c in data["rows"].items()}
         table = StepCosts(rows, _seconds_table(data["per_key"]))
         sizes = timed_sizes(max_block_size)
         drafted = [b for b in sizes if b <= max_block_size]
@@ -317,9 +318,8 @@ class Overlap:
     command buffers and should return early, while its CPU backend keeps only a few operations in
     flight, so there async_eval returns near the forward's end and running ahead only moves a
     forward's wait into the step that starts it (and splits the forward of a step that then
-    verifies a copy). Measured
-    on a pair's first ``OVERLAP_SAMPLES`` runs ahead, by waiting for each (the next step would
-    have); running ahead is assumed to pay until then."""
+    verifies a copy). Measured on a pair's first ``OVERLAP_SAMPLES`` runs ahead, by waiting for
+    each (the next step would have); running ahead is assumed to pay until then."""
 
     def __init__(self):
         self.shares: list[float] = []

@@ -16,9 +16,9 @@ One step (``Engine.step``):
    states as new context, finished rows leave (their caches go to the prompt cache).
 
 A single request is a batch of one and runs the same step; at one row nothing is padded. One host
-sync per step reads what every row committed (top-p sampling adds one, ``sampling.nucleus``). When plain steps are expected and nobody waits to
-join, a plain step starts the next one's forward before the host reads its tokens, as mlx_lm does,
-where that frees the host (``BlockPolicy.runs_ahead``).
+sync per step reads what every row committed (top-p sampling adds one, ``sampling.nucleus``). When
+plain steps are expected and nobody waits to join, a plain step starts the next one's forward before
+the host reads its tokens, as mlx_lm does, where that frees the host (``BlockPolicy.runs_ahead``).
 Requests join and leave between steps; a request whose prompt extends an earlier one starts from the
 prompt cache (``cache/prompt.py``). The engine is not thread-safe: one thread calls ``add``,
 ``cancel`` and ``step``.
@@ -440,7 +440,8 @@ class Engine:
         # Log-probabilities stay lazy: computed only for a caller who reads them.
         outputs = (tokens, accepted, [x for x in (proposed.drafted, *proposed.from_copy) if x is not None])
         joining = self.pending and R < self.max_rows  # a request joins before the next step
-        if proposed.width == 1 and not joining and self.policy.runs_ahead and self.policy.expects_plain(rows, bool(self.pending)):
+        if (proposed.width == 1 and not joining and self.policy.runs_ahead
+                and self.policy.expects_plain(rows, bool(self.pending))):
             # Evaluated apart: in one evaluation with the next forward, reading the tokens would wait for it.
             mx.async_eval(outputs)
             self.ahead = self.target(mx.stack([t[:1] for t in tokens]), self.cache)
