@@ -262,14 +262,14 @@ class Target:
         """
         if len(chunks) > 1 and self.cache_policy.mixers:
             return [self.prefill_rows([c], [t])[0] for c, t in zip(caches, chunks)]
-        groups = even_groups([len(tokens) for tokens in chunks])
+        lengths = [len(tokens) for tokens in chunks]
+        groups = even_groups(lengths)
         if len(groups) > 1:
             outputs = [None] * len(chunks)
             for group in groups:
                 for i, out in zip(group, self.prefill_rows([caches[i] for i in group], [chunks[i] for i in group])):
                     outputs[i] = out
             return outputs
-        lengths = [len(tokens) for tokens in chunks]
         width = max(lengths)
         rows = mx.array([tokens + [0] * (width - len(tokens)) for tokens in chunks], mx.int32)
         joint = caches[0]
@@ -289,16 +289,15 @@ def even_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list[li
     """Indices of ``lengths`` in groups of one forward each, longest first: a group takes the next
     longest row while its pads (each row padded to the group's longest) stay within ``padding``
     times its tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
-    for i in order:
-        group = groups[-1] if groups else None
-        if group is not None:
-            tokens = sum(lengths[j] for j in group) + lengths[i]
-            if lengths[group[0]] * (len(group) + 1) - tokens <= padding * tokens:
-                group.append(i)
-                continue
-        groups.append([i])
+    tokens = 0  # of the last group
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= (1 + padding) * (tokens + lengths[i]):
+            groups[-1].append(i)
+            tokens += lengths[i]
+        else:
+            groups.append([i])
+            tokens = lengths[i]
     return groups
 
 
