@@ -27,20 +27,56 @@ _SQRT_H_EMBEDDING = {"gemma", "gemma2"}
 PREFILL_PADDING = 0.25
 
 
-class _Tap:
+class _Around:
+    """A stand-in for one of ``model.layers`` for the duration of a call."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    def __getattr__(self, name):
+        # Models read per-layer attributes (e.g. ``use_sliding``) while iterating.
+        return getattr(self.layer, name)
+
+
+class _Tap(_Around):
     """Calls a layer and records its output hidden state."""
 
     def __init__(self, layer: nn.Module, sink: list):
-        self.layer, self.sink = layer, sink
+        super().__init__(layer)
+        self.sink = sink
 
     def __call__(self, *args, **kwargs):
         out = self.layer(*args, **kwargs)
         self.sink.append(out[0] if isinstance(out, tuple) else out)
         return out
 
-    def __getattr__(self, name):
-        # Models read per-layer attributes (e.g. ``use_sliding``) while iterating.
-        return getattr(self.layer, name)
+
+class _FromColumn(_Around):
+    """Calls the last layer on the columns before ``start`` and then on the rest, as two forwards
+    would: nothing reads its output before ``start``, so MLX computes only their keys and values
+    there. Layers given arrays other than their mask (e.g. gemma4's shared keys) run whole."""
+
+    def __init__(self, layer: nn.Module, start: int):
+        super().__init__(layer)
+        self.start = start
+
+    def __call__(self, x: mx.array, *args, **kwargs):
+        n, s = x.shape[1], self.start
+        mask = args[0] if args else kwargs.get("mask")
+        arrays = [v for v in (*args, *kwargs.values()) if isinstance(v, mx.array)]
+        if any(v is not mask for v in arrays) or (arrays and mask.shape[-2] != n):
+            return self.layer(x, *args, **kwargs)
+        # An array mask (..., n, keys) splits by queries; its keys end n - s earlier for the first part.
+        first, rest = (mask[..., :s, : mask.shape[-1] - (n - s)], mask[..., s:, :]) if arrays else (mask, mask)
+
+        def call(part: mx.array, m):
+            return self.layer(part, m, *args[1:], **kwargs) if args else self.layer(part, *args, **{**kwargs, "mask": m})
+
+        call(x[:, :s], first)
+        out = call(x[:, s:], rest)
+        if isinstance(out, tuple):
+            return (mx.concatenate([x[:, :s], out[0]], axis=1), *out[1:])
+        return mx.concatenate([x[:, :s], out], axis=1)
 
 
 class _AtColumns:
@@ -101,6 +137,15 @@ class Target:
     @property
     def final_norm(self) -> nn.Module | None:
         return None if self._norm_owner is None else self._norm_owner["norm"]
+
+    @property
+    def _tail(self) -> int | None:
+        """The layer a scored forward runs from its first scored column (``_FromColumn``): the
+        model's last, if this process holds it, unless the drafter taps it or it is recurrent."""
+        last = len(self.layers) - 1
+        if last == getattr(self.args, "num_hidden_layers", 0) - 1 and self.holds(last):
+            return None if last in self.layer_ids or last in self.cache_policy.mixers else last
+        return None
 
     @property
     def vocab_size(self) -> int:
@@ -212,25 +257,36 @@ class Target:
             return self._forward(tokens, cache, logits_at)
 
     def _forward(self, tokens: mx.array, cache: list, logits_at: list[int] | None = None) -> tuple[mx.array, mx.array]:
-        with self._tapped() as sinks, self._scoring(logits_at):
+        with self._tapped() as sinks, self._scoring(logits_at, cache is not None):
             logits = self.model(tokens, cache=cache)
         if logits_at is not None and self._norm_owner is None:
             logits = logits[mx.arange(len(logits_at)), mx.array(logits_at)][:, None]
         return logits, self._hidden({i: sink[0] for i, sink in sinks.items()}, tokens, cache)
 
     @contextmanager
-    def _scoring(self, columns: list[int] | None) -> Iterator[None]:
+    def _scoring(self, columns: list[int] | None, cached: bool) -> Iterator[None]:
         # The head is the largest matmul of a prefill (49,152 x 576 per position for SmolLM2):
-        # batched prompts need one position per row scored, not every padded position.
-        if columns is None or self._norm_owner is None:
+        # batched prompts need one position per row scored, not every padded position. So is the
+        # last layer's output: mlx_lm's prefill scores nothing, so MLX computes only that layer's
+        # keys and values; scoring a chunk's last token would cost the layer at every position
+        # (3% of a 2k-token prefill here) without ``_FromColumn``, which needs a cache to carry the
+        # keys from its first part to the rest.
+        if columns is None:
             yield
             return
-        norm = self.final_norm
-        self._norm_owner.norm = _AtColumns(norm, columns)
+        swapped = []
+        if self._norm_owner is not None:
+            swapped.append((self._norm_owner, "norm", _AtColumns(self.final_norm, columns)))
+        if cached and self._tail is not None and min(columns) > 0:
+            swapped.append((self.layers, self._tail, _FromColumn(self.layers[self._tail], min(columns))))
+        originals = [(owner, key, owner[key]) for owner, key, _ in swapped]
+        for owner, key, new in swapped:
+            owner[key] = new
         try:
             yield
         finally:
-            self._norm_owner.norm = norm
+            for owner, key, old in originals:
+                owner[key] = old
 
     def _hidden(self, taps: dict[int, mx.array], tokens: mx.array, cache: list) -> mx.array:
         """The drafter's input from this forward's taps; a sharded target gathers them here."""

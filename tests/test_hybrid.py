@@ -199,6 +199,50 @@ def test_logits_at_scores_one_column_per_row(family):
     assert target.final_norm is target._norm_owner["norm"]  # the model is left as it was
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_scored_prefill_runs_the_last_layer_from_its_first_scored_column(family, rows):
+    """A prefill chunk scores only its last token: the last layer runs on the columns before the
+    first scored one apart (MLX then computes only their keys and values), and the logits, hidden
+    states and caches are those of one whole forward of each row alone."""
+    name, model, target, _, _ = family
+    if rows == 2 and target.cache_policy.mixers:
+        pytest.skip("recurrent targets prefill one request at a time")
+    chunks = [PROMPT[8:20], PROMPT[8:17]][:rows]
+
+    def prefilled():
+        cache = target.make_cache()
+        target.prefill(mx.array(PROMPT[:8]), cache)
+        return cache
+
+    calls, last = [], target.layers[-1]
+
+    class Recorded:
+        def __call__(self, x, *args, **kwargs):
+            calls.append(x.shape[1])
+            return last(x, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(last, name)
+
+    caches = [prefilled() for _ in chunks]
+    target.layers[-1] = Recorded()
+    try:
+        scored = target.prefill_rows(caches, chunks)
+    finally:
+        target.layers[-1] = last
+    # gemma4's last layer reads an earlier layer's keys (an array the split cannot cut): it runs whole.
+    first = min(map(len, chunks)) - 1
+    assert calls == ([12] if name == "gemma4_text" else [first, 12 - first]), name
+    probe = mx.array([[5]])
+    for chunk, cache, (logits, hidden) in zip(chunks, caches, scored):
+        alone = prefilled()
+        whole, whole_hidden = target(mx.array([chunk]), alone)
+        assert mx.allclose(logits, whole[:, -1], rtol=1e-4, atol=1e-3).item(), name
+        assert mx.allclose(hidden, whole_hidden, rtol=1e-4, atol=1e-3).item(), name
+        assert [c.lengths for c in cache if hasattr(c, "lengths")] == [c.lengths for c in alone if hasattr(c, "lengths")]
+        assert mx.allclose(target(probe, cache)[0], target(probe, alone)[0], rtol=1e-4, atol=1e-3).item(), name
+
+
 def test_plain_steps_run_ahead_exactly(family):
     # Plain runs whose next anchor's forward starts before the host reads it, then drafted blocks
     # verified after an anchor that already ran: rollback reaches only into the proposals' forward.
