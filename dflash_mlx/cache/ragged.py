@@ -168,6 +168,8 @@ class RaggedKVCache:
                 if c.keys is None:
                     return [mx.zeros((len(c.lengths), *x.shape[1:2], size, x.shape[3]), x.dtype)
                             for x in (like.keys, like.values)]
+                if c.keys.shape[2] == size:  # mx.pad copies even by nothing: the batch is copied once, here
+                    return [c.keys, c.values]
                 pad = [(0, 0), (0, 0), (0, size - c.keys.shape[2]), (0, 0)]
                 return [mx.pad(c.keys, pad), mx.pad(c.values, pad)]
 
