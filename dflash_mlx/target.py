@@ -70,7 +70,9 @@ class _FromColumn(_Around):
         first, rest = (mask[..., :s, : mask.shape[-1] - (n - s)], mask[..., s:, :]) if arrays else (mask, mask)
 
         def call(part: mx.array, m):
-            return self.layer(part, m, *args[1:], **kwargs) if args else self.layer(part, *args, **{**kwargs, "mask": m})
+            if args:
+                return self.layer(part, m, *args[1:], **kwargs)
+            return self.layer(part, **({**kwargs, "mask": m} if "mask" in kwargs else kwargs))
 
         call(x[:, :s], first)
         out = call(x[:, s:], rest)
@@ -269,8 +271,7 @@ class Target:
         # batched prompts need one position per row scored, not every padded position. So is the
         # last layer's output: mlx_lm's prefill scores nothing, so MLX computes only that layer's
         # keys and values; scoring a chunk's last token would cost the layer at every position
-        # (3% of a 2k-token prefill here) without ``_FromColumn``, which needs a cache to carry the
-        # keys from its first part to the rest.
+        # without ``_FromColumn``, which needs a cache to carry the keys from its first part on.
         if columns is None:
             yield
             return
