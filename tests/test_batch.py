@@ -26,6 +26,7 @@ from dflash_mlx.kernels import get_ops
 from dflash_mlx.models import Drafter
 from dflash_mlx.policy import BlockPolicy
 from dflash_mlx.sampling import SamplingParams, probabilities
+from dflash_mlx.cache.ragged import RaggedKVCache
 from dflash_mlx.target import Target, even_groups
 
 PROMPTS = [
@@ -303,6 +304,28 @@ def test_joining_prompts_are_prefilled_together(family, monkeypatch):
         assert mx.allclose(hidden1, hidden2, rtol=1e-4, atol=1e-3).item()
         assert [c.lengths for c in c1] == [c.lengths for c in c2]
         assert mx.allclose(target(probe, c1)[0], target(probe, c2)[0], rtol=1e-4, atol=1e-3).item()  # caches go on alike
+
+
+def test_a_join_leaves_the_batch_room_for_its_next_forward(family, monkeypatch):
+    """Rows prefilled together are taken at their exact lengths; joined, the batch gets room for its
+    next forward, which would otherwise grow (and so copy) every layer's cache."""
+    model, _, prompts, _ = family
+    target = model.target
+    rows = [target.make_cache() for _ in range(2)]
+    target.prefill_rows(rows, [prompts[2][:12], prompts[2][:10]])
+    assert {c.keys.shape[2] for row in rows for c in row} == {12, 10}  # taken at their lengths
+    batch = rows[0]
+    target.join(batch, rows[1])
+    grown, reserve = [], RaggedKVCache._reserve
+
+    def watched(self, keys, values, size):
+        if size > self.keys.shape[2]:
+            grown.append(size)
+        return reserve(self, keys, values, size)
+
+    monkeypatch.setattr(RaggedKVCache, "_reserve", watched)
+    mx.eval(target(mx.array([[5, 6], [7, 8]]), batch))
+    assert not grown
 
 
 def run_ahead_case(pair, prompts, refs, max_tokens):

@@ -162,7 +162,10 @@ class RaggedKVCache:
         caches = (self, *others)
         like = next((c for c in caches if c.keys is not None), None)
         if like is not None:
-            size = max(c.keys.shape[2] for c in caches if c.keys is not None)
+            # Room for the next forward, as ``filter`` leaves it: rows taken at their exact length
+            # (``take``) would otherwise make that forward grow, and so copy, the whole batch.
+            room = -(-(max(n for c in caches for n in c.lengths) + 1) // self.step) * self.step
+            size = max(room, *(c.keys.shape[2] for c in caches if c.keys is not None))
 
             def padded(c: RaggedKVCache) -> list[mx.array]:
                 if c.keys is None:
