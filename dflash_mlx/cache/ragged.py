@@ -157,27 +157,21 @@ class RaggedKVCache:
         self._set_lengths(lengths)
 
     def extend(self, *others: "RaggedKVCache") -> None:
-        """Append the rows of ``others`` after this cache's rows, in one concatenation (joining
-        rows one at a time would copy the batch once per row)."""
+        """Append the rows of ``others`` after this cache's rows, copying the batch once (joining rows
+        one at a time would copy it once per row), and leave room for the next forward as
+        ``filter`` does: rows taken at their exact length (``take``) would otherwise make that
+        forward grow, and so copy, the whole batch."""
         caches = (self, *others)
-        like = next((c for c in caches if c.keys is not None), None)
-        if like is not None:
-            # Room for the next forward, as ``filter`` leaves it: rows taken at their exact length
-            # (``take``) would otherwise make that forward grow, and so copy, the whole batch.
+        held = [c for c in caches if c.keys is not None]
+        if held:
             room = -(-(max(n for c in caches for n in c.lengths) + 1) // self.step) * self.step
-            size = max(room, *(c.keys.shape[2] for c in caches if c.keys is not None))
-
-            def padded(c: RaggedKVCache) -> list[mx.array]:
-                if c.keys is None:
-                    return [mx.zeros((len(c.lengths), *x.shape[1:2], size, x.shape[3]), x.dtype)
-                            for x in (like.keys, like.values)]
-                if c.keys.shape[2] == size:  # mx.pad copies even by nothing: the batch is copied once, here
-                    return [c.keys, c.values]
-                pad = [(0, 0), (0, 0), (0, size - c.keys.shape[2]), (0, 0)]
-                return [mx.pad(c.keys, pad), mx.pad(c.values, pad)]
-
-            keys, values = zip(*map(padded, caches))
-            self.keys, self.values = mx.concatenate(keys), mx.concatenate(values)
+            widest = max(c.keys.shape[2] for c in held)
+            like = {name: getattr(held[0], name) for name in ("keys", "values")}
+            if widest >= room:  # a batch with room: the narrower rows padded, all concatenated
+                self.keys, self.values = (mx.concatenate([_widened(c, n, like[n], widest) for c in caches])
+                                          for n in ("keys", "values"))
+            else:  # nothing has room (rows just prefilled): each written once into a roomy batch
+                self.keys, self.values = (_gathered(caches, n, like[n], room) for n in ("keys", "values"))
         self._set_lengths([n for c in caches for n in c.lengths])
 
     @property
@@ -200,3 +194,28 @@ class RaggedKVCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+
+def _widened(cache: RaggedKVCache, name: str, like: mx.array, width: int) -> mx.array:
+    """``cache``'s keys or values (``name``) padded to ``width`` positions; zeros shaped like
+    ``like`` for a cache that holds none."""
+    x = getattr(cache, name)
+    if x is None:
+        return mx.zeros((len(cache.lengths), like.shape[1], width, like.shape[3]), like.dtype)
+    if x.shape[2] == width:  # mx.pad copies even when it pads by nothing
+        return x
+    return mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)])
+
+
+def _gathered(caches: tuple[RaggedKVCache, ...], name: str, like: mx.array, width: int) -> mx.array:
+    """The caches' keys or values (``name``) written into one zeroed array ``width`` positions wide
+    (each slice assignment updates it in place)."""
+    out = mx.zeros((sum(len(c.lengths) for c in caches), like.shape[1], width, like.shape[3]), like.dtype)
+    row = 0
+    for c in caches:
+        x = getattr(c, name)
+        if x is not None:
+            out[row : row + len(c.lengths), :, : x.shape[2]] = x
+        row += len(c.lengths)
+    return out
