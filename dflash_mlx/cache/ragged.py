@@ -55,12 +55,16 @@ class RaggedKVCache:
         """The next forward's first ``left_padding[r]`` rows of row r are padding, not tokens."""
         self._padding, self._offset = list(left_padding), None
 
+    def _steps(self, size: int) -> int:
+        """``size`` positions rounded up to whole steps: the capacity that holds them with room."""
+        return -(-size // self.step) * self.step
+
     def _reserve(self, keys: mx.array, values: mx.array, size: int) -> None:
         capacity = 0 if self.keys is None else self.keys.shape[2]
         if size <= capacity:
             return
         R, H = keys.shape[:2]
-        grown = -(-size // self.step) * self.step
+        grown = self._steps(size)
         extra = [mx.zeros((R, H, grown - capacity, x.shape[3]), x.dtype) for x in (keys, values)]
         if self.keys is None:
             self.keys, self.values = extra
@@ -151,7 +155,7 @@ class RaggedKVCache:
         """Keep only the rows ``keep``, in that order."""
         lengths = [self.lengths[i] for i in keep]
         if self.keys is not None:
-            size = -(-(max(lengths, default=0) + 1) // self.step) * self.step
+            size = self._steps(max(lengths, default=0) + 1)
             rows = mx.array(keep)
             self.keys, self.values = self.keys[rows, :, :size], self.values[rows, :, :size]
         self._set_lengths(lengths)
@@ -164,7 +168,7 @@ class RaggedKVCache:
         caches = (self, *others)
         held = [c for c in caches if c.keys is not None]
         if held:
-            room = -(-(max(n for c in caches for n in c.lengths) + 1) // self.step) * self.step
+            room = self._steps(max(n for c in caches for n in c.lengths) + 1)
             widest = max(c.keys.shape[2] for c in held)
             like = {name: getattr(held[0], name) for name in ("keys", "values")}
             if widest >= room:  # a batch with room: the narrower rows padded, all concatenated
@@ -196,13 +200,16 @@ class RaggedKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+def _zeros(rows: int, like: mx.array, width: int) -> mx.array:
+    return mx.zeros((rows, like.shape[1], width, like.shape[3]), like.dtype)
+
 
 def _widened(cache: RaggedKVCache, name: str, like: mx.array, width: int) -> mx.array:
     """``cache``'s keys or values (``name``) padded to ``width`` positions; zeros shaped like
     ``like`` for a cache that holds none."""
     x = getattr(cache, name)
     if x is None:
-        return mx.zeros((len(cache.lengths), like.shape[1], width, like.shape[3]), like.dtype)
+        return _zeros(len(cache.lengths), like, width)
     if x.shape[2] == width:  # mx.pad copies even when it pads by nothing
         return x
     return mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)])
@@ -211,7 +218,7 @@ def _widened(cache: RaggedKVCache, name: str, like: mx.array, width: int) -> mx.
 def _gathered(caches: tuple[RaggedKVCache, ...], name: str, like: mx.array, width: int) -> mx.array:
     """The caches' keys or values (``name``) written into one zeroed array ``width`` positions wide
     (each slice assignment updates it in place)."""
-    out = mx.zeros((sum(len(c.lengths) for c in caches), like.shape[1], width, like.shape[3]), like.dtype)
+    out = _zeros(sum(len(c.lengths) for c in caches), like, width)
     row = 0
     for c in caches:
         x = getattr(c, name)
