@@ -11,7 +11,8 @@ the asked number of tokens of the target's tokenizer. SmolLM2's context is 8192 
 Sections (``--sections``), all greedy, in one process:
 
 - ``prefill``: time to the first token, ``dflash_mlx.stream_generate`` against
-  ``mlx_lm.stream_generate`` on the same target, interleaved (the order alternates per round),
+  ``mlx_lm.stream_generate`` on the same target, each at its default prefill chunk (ours measured,
+  ``costs.PrefillChunks``; mlx_lm's 2048), the first tokens checked equal, interleaved (the order alternates per round),
   best of ``--repeats``; prompt tokens/s of each and their ratio, by the wall clock and by this
   process's CPU time (steadier on a shared machine; run with OPENBLAS_NUM_THREADS=1).
 - ``decode``: decode tokens/s (first token to last, as ``dflash-mlx benchmark`` counts) of plain
@@ -45,6 +46,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from dflash_mlx import stream_generate
 from dflash_mlx.benchmark import _timed
 from dflash_mlx.cache.prompt import PromptCache
+from dflash_mlx.costs import prefill_chunks
 from dflash_mlx.default import default_pair
 from dflash_mlx.train.data import (CODE_QUESTIONS, DOC_QUESTIONS, LONG_HELD_OUT, PYTHON_DOCS, long_prompt,
                                    package_root, prompt_ids)
@@ -123,26 +125,29 @@ class Prefilled:
         return self.caches.setdefault(window, PromptCache(max_entries=1))
 
 
-def first_token_seconds(responses) -> tuple[float, float]:
-    """(wall, CPU) seconds to the first response; CPU time counts only while this process runs,
-    the steadier measure on a shared machine (with OPENBLAS_NUM_THREADS=1 no thread spins)."""
+def first_token_seconds(responses) -> tuple[float, float, int]:
+    """(wall, CPU) seconds to the first response, and its token; CPU time counts only while this
+    process runs, the steadier measure on a shared machine (with OPENBLAS_NUM_THREADS=1 no thread spins)."""
     wall, cpu = time.perf_counter(), time.process_time()
-    next(responses)
-    return time.perf_counter() - wall, time.process_time() - cpu
+    token = next(responses).token
+    return time.perf_counter() - wall, time.process_time() - cpu, token
 
 
 def prefill_section(model, tokenizer, prompts, repeats) -> list[dict]:
     rows = []
     for p in prompts:
-        ids, best = p["ids"], {}
+        ids, best, first = p["ids"], {}, {}
         runs = {
             "ours": lambda: first_token_seconds(stream_generate(model, tokenizer, ids, 2)),
             "mlx_lm": lambda: first_token_seconds(mlx_lm.stream_generate(model.target.model, tokenizer, ids, max_tokens=2)),
         }
         for r in range(repeats):
             for name in (("ours", "mlx_lm") if r % 2 == 0 else ("mlx_lm", "ours")):
-                for clock, seconds in zip(("wall", "cpu"), runs[name]()):
-                    best[name, clock] = min(best.get((name, clock), float("inf")), seconds)
+                *seconds, first[name] = runs[name]()
+                for clock, t in zip(("wall", "cpu"), seconds):
+                    best[name, clock] = min(best.get((name, clock), float("inf")), t)
+        if first["ours"] != first["mlx_lm"]:
+            raise SystemExit(f"{p['name']}: first token {first['ours']} differs from mlx_lm's {first['mlx_lm']}")
         row = {"prompt": p["name"], "kind": p["kind"], "tokens": len(ids)}
         for clock in ("wall", "cpu"):
             ours, theirs = len(ids) / best["ours", clock], len(ids) / best["mlx_lm", clock]
@@ -243,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {"model": model_path, "draft": draft_path, "blas": dflash_mlx.BLAS, "max_tokens": args.max_tokens,
               "prompts": [{k: v for k, v in q.items() if k != "ids"} | {"tokens": len(q["ids"])} for q in prompts]}
     if "prefill" in args.sections:
+        report["prefill_chunks"] = prefill_chunks(model).describe()  # ours; mlx_lm's stream_generate: 2048
         report["prefill"] = prefill_section(model, tokenizer, prompts, args.repeats)
     memo = Prefilled(model.target.model)
     if "decode" in args.sections:

@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_arg, default=None, help="Random seed for sampling (any 64-bit integer)")
     add_block_arguments(p)
     add_sharding_arguments(p)
-    p.add_argument("--prefill-step-size", type=positive_int, default=2048, help="Prompt tokens per prefill forward")
+    p.add_argument("--prefill-step-size", type=positive_int, default=None,
+                   help="Prompt tokens per prefill forward (default: the size this machine prefills fastest, measured once)")
     p.add_argument("--extra-eos-token", nargs="*", default=[], help="More stop tokens (strings)")
     p.add_argument("--ignore-chat-template", action="store_true", help="Feed the prompt as-is")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,

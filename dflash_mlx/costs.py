@@ -13,6 +13,9 @@ first process on a machine pays for it (seconds on a CPU): the key names the pai
 weights, this machine, the kernels, the software and the calibration's own settings, and a file
 whose key, format or figures are not what they should be is skipped with a log line and replaced by
 a fresh calibration. Removing the folder makes the next process measure again.
+
+``PrefillChunks`` times prefill forwards of a few sizes the same way, once, and keeps which size
+costs least per prompt token: the engine's default chunk.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ ROW_COUNTS = (1, 2, 4, 8, 16, 32)  # batch sizes timed (others interpolated)
 # left running after async_eval returns (``Overlap``) for it to.
 OVERLAP_SAMPLES, RUN_AHEAD_OVERLAP = 3, 0.5
 KEPT_FORMAT = "dflash-mlx step costs 1"  # bump when what a kept calibration's figures mean changes
+# Prompt tokens per prefill forward a calibration times (the largest is mlx_lm's prefill step).
+PREFILL_CHUNKS = (128, 256, 512, 1024, 2048)
+PREFILL_FORMAT = "dflash-mlx prefill chunks 1"
+# A larger chunk within this of the cheapest per token is taken, and timing stops at the first
+# chunk this much dearer than the cheapest before it (``PrefillChunks``).
+CHUNK_TOLERANCE, CHUNK_STOP = 1.05, 1.25
 log = logging.getLogger("dflash_mlx.costs")
 
 
@@ -193,7 +202,9 @@ class Costs:
 
     def __init__(self, model: DFlashModel, use_metal: bool | None = None):
         self.model, self.use_metal = model, use_metal
-        self.path, self.key, why_not = _kept_file(model, use_metal)
+        settings = [CALIBRATION_SIZES, COPY_BLOCK_SIZE, SHORT_CONTEXT, LONG_CONTEXT, LONG_REPEATS, ROW_COUNTS,
+                    model.block_size]
+        self.path, self.key, why_not = _kept_file(model, use_metal, KEPT_FORMAT, settings)
         table = _read(self.path, self.key, model.block_size) if self.path else None
         if table is not None:
             self.table, self.source = table, f"read from {self.path}"
@@ -223,22 +234,86 @@ class Costs:
         return self.table
 
     def _write(self) -> str | None:
-        """Keep the table in ``self.path`` (written whole under a temp name, then renamed); why not, or None."""
-        data = {"format": KEPT_FORMAT, "key": self.key, "measured": time.time(),
-                "rows": {r: {"verify": c.verify, "draft": c.draft} for r, c in self.table.rows.items()},
-                "per_key": self.table.per_key}
-        temp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            temp.write_text(json.dumps(data))
-            os.replace(temp, self.path)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                temp.unlink(missing_ok=True)
-            log.warning("could not keep the step costs in %s: %s", self.path, one_line(e))
+        """Keep the table in ``self.path``; why not, or None."""
+        why_not = _keep(self.path, {"format": KEPT_FORMAT, "key": self.key, "measured": time.time(),
+                                    "rows": {r: {"verify": c.verify, "draft": c.draft} for r, c in self.table.rows.items()},
+                                    "per_key": self.table.per_key})
+        if why_not:
             self.path = None
-            return f"could not write {temp.parent}: {one_line(e)}"
-        return None
+        return why_not
+
+
+class PrefillChunks:
+    """How many prompt tokens a prefill forward should take on this machine: the size in
+    ``PREFILL_CHUNKS`` whose forward cost least per token (``time_prefill_chunks``), the largest
+    within ``CHUNK_TOLERANCE`` of it, since fewer forwards pass over the weights fewer times. Where
+    attention is unfused (MLX's CPU backend), a chunk of c tokens scores c x c query-key pairs of its
+    own that the causal mask then throws away, so there smaller chunks prefill long prompts
+    faster; where a fused kernel skips the masked pairs, the largest tends to win. Kept on disk
+    like ``Costs``; ``source`` says where the figures came from, for the stats."""
+
+    def __init__(self, model: DFlashModel, use_metal: bool | None = None):
+        self.path, key, why_not = _kept_file(model, use_metal, PREFILL_FORMAT, [PREFILL_CHUNKS, CHUNK_STOP])
+        data = _kept(self.path, key, PREFILL_FORMAT, "prefill timings") if self.path else None
+        try:
+            self.per_token = _seconds_table(data["per_token"]) if data else None
+            if self.per_token is not None and (not self.per_token or not set(self.per_token) <= set(PREFILL_CHUNKS)):
+                raise ValueError("its chunk sizes are not the ones a calibration times")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("skipping the prefill timings in %s: %s", self.path, one_line(e))
+            self.per_token = None
+        if self.per_token is not None:
+            self.source = f"read from {self.path}"
+        else:
+            tic = time.perf_counter()
+            self.per_token = time_prefill_chunks(model)
+            if not why_not:
+                why_not = _keep(self.path, {"format": PREFILL_FORMAT, "key": key, "measured": time.time(),
+                                            "per_token": self.per_token})
+            self.source = (f"measured in {time.perf_counter() - tic:.1f} s, "
+                           + (f"not kept ({why_not})" if why_not else f"kept in {self.path}"))
+        best = min(self.per_token.values())
+        self.size = max(n for n, t in self.per_token.items() if t <= CHUNK_TOLERANCE * best)
+
+    def describe(self) -> str:
+        timed = ", ".join(f"{n}: {1000 * t:.3g}" for n, t in sorted(self.per_token.items()))
+        return f"{self.size} tokens (ms per token by chunk size {timed}; {self.source})"
+
+
+def time_prefill_chunks(model: DFlashModel) -> dict[int, float]:
+    """Seconds per token of one prefill forward (``Target.prefill_rows``, one row, an empty cache)
+    of each size in ``PREFILL_CHUNKS``, smallest first, up to the first size ``CHUNK_STOP`` times
+    dearer per token than the cheapest before it: past the sizes that spread a forward's fixed
+    costs, a larger chunk only costs more per token. A second round re-times the sizes that can
+    still win and keeps the faster time (noise only ever adds time)."""
+    target = model.target
+    tokens = [i % target.vocab_size for i in range(max(PREFILL_CHUNKS))]
+
+    def per_token(n: int) -> float:
+        cache = target.make_cache(1)
+        tic = time.perf_counter()
+        mx.eval(target.prefill_rows([cache], [tokens[:n]]), [c.state for c in cache])
+        return (time.perf_counter() - tic) / n
+
+    per_token(PREFILL_CHUNKS[0])  # the first forward pays for allocation and graph setup
+    timed: dict[int, float] = {}
+    for n in PREFILL_CHUNKS:
+        timed[n] = per_token(n)
+        if timed[n] > CHUNK_STOP * min(timed.values()):
+            break
+    for n in [n for n, t in timed.items() if t <= CHUNK_STOP * min(timed.values())]:
+        timed[n] = min(timed[n], per_token(n))
+    return timed
+
+
+_chunks: "weakref.WeakKeyDictionary[DFlashModel, PrefillChunks]" = weakref.WeakKeyDictionary()
+
+
+def prefill_chunks(model: DFlashModel, use_metal: bool | None = None) -> PrefillChunks:
+    """The pair's ``PrefillChunks``, measured on its first use and remembered after."""
+    if model not in _chunks:
+        _chunks[model] = PrefillChunks(model, use_metal)
+    return _chunks[model]
 
 
 def calibration_dir() -> Path:
@@ -256,15 +331,46 @@ def _machine(use_metal: bool | None) -> dict:
             "device": str(device), "info": info, "kernels": kernels.get_ops(use_metal).path}
 
 
-def _kept_file(model: DFlashModel, use_metal: bool | None) -> tuple[Path | None, str | None, str | None]:
-    """(file, key) a calibration of ``model`` is kept in, or (None, None, why it is not kept)."""
+def _kept_file(model: DFlashModel, use_metal: bool | None, kept_format: str,
+               settings: list) -> tuple[Path | None, str | None, str | None]:
+    """(file, key, None) a measurement of ``model`` in ``kept_format`` with ``settings`` is kept in,
+    or (None, None, why it is not kept)."""
     if hasattr(model.target, "on_all_ranks"):
         return None, None, "a sharded target is timed over its ranks' links at every start"
-    settings = [CALIBRATION_SIZES, COPY_BLOCK_SIZE, SHORT_CONTEXT, LONG_CONTEXT, LONG_REPEATS, ROW_COUNTS,
-                model.block_size]
-    described = [KEPT_FORMAT, pair_digest(model), _machine(use_metal), software(), settings]
+    described = [kept_format, pair_digest(model), _machine(use_metal), software(), settings]
     key = hashlib.sha256(json.dumps(described, default=str).encode()).hexdigest()
     return calibration_dir() / f"{key[:32]}.json", key, None
+
+
+def _keep(path: Path, data: dict) -> str | None:
+    """Write ``data`` to ``path`` whole (under a temp name, then renamed); why it could not be, or None."""
+    temp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp.write_text(json.dumps(data))
+        os.replace(temp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            temp.unlink(missing_ok=True)
+        log.warning("could not keep a calibration in %s: %s", path, one_line(e))
+        return f"could not write {temp.parent}: {one_line(e)}"
+    return None
+
+
+def _kept(path: Path, key: str, kept_format: str, what: str) -> dict | None:
+    """The JSON object kept in ``path`` for ``key``, or None if there is none or it is unreadable or
+    foreign (logged, naming ``what`` it held)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("skipping the %s in %s: it is unreadable (%s)", what, path, one_line(e))
+        return None
+    if not isinstance(data, dict) or data.get("format") != kept_format or data.get("key") != key:
+        log.warning("skipping the %s in %s: it was written for another pair, machine or version", what, path)
+        return None
+    return data
 
 
 def _seconds_table(table: dict) -> dict[int, float]:
@@ -276,16 +382,10 @@ def _seconds_table(table: dict) -> dict[int, float]:
 
 def _read(path: Path, key: str, max_block_size: int) -> StepCosts | None:
     """The table kept in ``path``, or None if there is none or it is damaged or foreign (logged)."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        log.warning("skipping the step costs in %s: it is unreadable (%s)", path, one_line(e))
+    data = _kept(path, key, KEPT_FORMAT, "step costs")
+    if data is None:
         return None
     try:
-        if not isinstance(data, dict) or data.get("format") != KEPT_FORMAT or data.get("key") != key:
-            raise ValueError("it was written for another pair, machine or version")
         rows = {int(r): RowCosts(_seconds_table(c["verify"]), _seconds_table(c["draft"]))
                 for r, c in data["rows"].items()}
         table = StepCosts(rows, _seconds_table(data["per_key"]))

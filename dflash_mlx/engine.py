@@ -40,6 +40,7 @@ from mlx_lm.generate import StopSequences
 from . import kernels, tree, tree_verify
 from .cache.prompt import PromptCache
 from .copying import CopyIndex, merge
+from .costs import prefill_chunks
 from .errors import DFlashError
 from .model import MAX_BLOCK_SIZE, DFlashModel
 from .policy import BlockPolicy, Plan, make_policy
@@ -48,8 +49,9 @@ from .request import (LogitsProcessor, Row, TokenEvent, apply_processors, batch_
 from .sampling import Sampler, SamplingParams, Strategy, make_strategy, random_seed
 from .stats import EngineStats, SpeculativeStats, Step
 
-# Prompt tokens per prefill forward, as mlx_lm prefills.
-PREFILL_STEP_SIZE = 2048
+# With prefill_step_size None: the most prompt tokens per prefill forward (mlx_lm's step), and per
+# step while rows decode (a joining prompt holds them up for at most that).
+PREFILL_STEP_SIZE, DECODING_PREFILL_STEP = 2048, 512
 
 
 class Engine:
@@ -58,9 +60,11 @@ class Engine:
     block_size: fixed, ``"auto"`` (per step, from the measured cost of R rows x B tokens at the
     context in use and each row's acceptance, ``policy.py``) or a ``BlockPolicy``; default the
     drafter's. max_rows: most rows decoded together; more requests wait. prefill_step_size: most
-    prompt tokens per prefill forward, and per step while rows decode (a joining prompt holds them
-    up for at most that). prompt_cache: a ``PromptCache`` whose entries requests start from and
-    leaving rows are saved to (None: no reuse). draft_window: ``(keep, recent)`` bounds the
+    prompt tokens of a request per prefill forward, of all requests sharing one, and per step while
+    rows decode; None: a request's chunks are the size this machine prefills fastest
+    (``costs.PrefillChunks``), in forwards of up to ``PREFILL_STEP_SIZE`` tokens
+    (``DECODING_PREFILL_STEP`` per step while rows decode). prompt_cache: a ``PromptCache`` whose
+    entries requests start from and leaving rows are saved to (None: no reuse). draft_window: ``(keep, recent)`` bounds the
     drafter's context (``Drafter.make_cache``), ``"auto"`` (the default) the window the drafter
     records (``DrafterArgs.context_window``), None none. tree_budget: proposals per draft tree
     (``tree.py``), ``"auto"`` (per step, for the most expected tokens per second) or 0 for chains
@@ -75,7 +79,7 @@ class Engine:
         *,
         block_size: int | str | BlockPolicy | None = None,
         max_rows: int = 8,
-        prefill_step_size: int = PREFILL_STEP_SIZE,
+        prefill_step_size: int | None = None,
         use_metal: bool | None = None,
         prompt_cache: PromptCache | None = None,
         copy_proposals: bool = True,
@@ -83,13 +87,18 @@ class Engine:
         tree_budget: int | str = "auto",
         profile: bool = False,
     ):
-        if max_rows < 1 or prefill_step_size < 1:
+        if max_rows < 1 or (prefill_step_size is not None and prefill_step_size < 1):
             raise DFlashError(f"max_rows {max_rows} and prefill_step_size {prefill_step_size} must be at least 1")
         self.target, self.drafter, self.model = model.target, model.drafter, model
         self.ops = kernels.get_ops(use_metal)
         self.policy = block_size if isinstance(block_size, BlockPolicy) else make_policy(
             model, block_size, use_metal, tree_budget=tree_budget)
-        self.prefill_step_size, self.profile = prefill_step_size, profile
+        chunks = None if prefill_step_size else prefill_chunks(model, use_metal)
+        # Prompt tokens per forward, per step while rows decode, and per request per forward.
+        self.prefill_step_size = prefill_step_size or PREFILL_STEP_SIZE
+        self.decoding_prefill = prefill_step_size or DECODING_PREFILL_STEP
+        self.prefill_chunk = prefill_step_size or chunks.size
+        self.profile = profile
         self.draft_window = self.drafter.args.context_window() if draft_window == "auto" else draft_window
         self.drafter.make_cache(self.draft_window)  # checks the window
         self.reach = self.drafter.reach(self.draft_window)
@@ -101,7 +110,8 @@ class Engine:
         start_record = getattr(self.target, "start_record", None)  # a sharded target (distributed.Driver)
         self.stats = EngineStats(batched=self.max_rows > 1, reason=reason if reason else
                                  None if max_rows > 1 else "max_rows is 1",
-                                 sharding=start_record() if start_record else None)
+                                 sharding=start_record() if start_record else None,
+                                 prefill=chunks.describe() if chunks else f"{prefill_step_size} tokens (given)")
         self.head, self.mask_id = self.target.head(self.drafter.vocab_rows), self.drafter.args.mask_token_id
         self.copy_proposals, self.corpus = copy_proposals, self.drafter.corpus
         self.prompt_cache = None if prompt_cache is None else prompt_cache.bind(model, self.draft_window)
@@ -171,6 +181,7 @@ class Engine:
                                    corpus_tokens=len(self.corpus.tokens) if self.corpus else 0,
                                    sampling=strategy.name, sharding=self.stats.sharding, draft_window=self.reach,
                                    step_costs=self.policy.costs.source if self.policy.adaptive else None,
+                                   prefill=self.stats.prefill,
                                    trees=self.trees or row_tree_refusal(strategy, logits_processors)),
             acceptance=self.policy.acceptance(),
             block_cap=block_size,
@@ -205,7 +216,7 @@ class Engine:
         return True
 
     def step(self) -> list[TokenEvent]:
-        """Prefill queued prompts (up to ``prefill_step_size`` tokens while rows decode), then one draft-verify
+        """Prefill queued prompts (up to ``decoding_prefill`` tokens while rows decode), then one draft-verify
         step over every running row; a prompt finished while none decoded sends its first token at once, as
         mlx_lm's does after prefill (rows decoding never wait for one joining them). Returns the tokens."""
         events: list[TokenEvent] = []
@@ -219,13 +230,13 @@ class Engine:
     # -- 1. join ------------------------------------------------------------
 
     def _join(self, events: list[TokenEvent]) -> None:
-        budget = self.prefill_step_size if self.rows else math.inf
+        budget = self.decoding_prefill if self.rows else math.inf
         while self.pending and budget > 0 and len(self.rows) < self.max_rows and self.ahead is None:
             tic = time.perf_counter()
             chunks, room = [], min(budget, self.prefill_step_size)  # free rows' requests share a forward
             for row in itertools.islice(self.pending, self.max_rows - len(self.rows)):
                 start = row.prefilled
-                chunk = row.prompt[start : start + room]
+                chunk = row.prompt[start : start + min(room, self.prefill_chunk)]
                 row.prefilled, room = start + len(chunk), room - len(chunk)
                 chunks.append((row, start, chunk))
                 if not room:

@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache.prompt import PromptCache
-from .engine import PREFILL_STEP_SIZE, Engine
+from .engine import Engine
 from .flags import default_block_size
 from .request import LogitsProcessor, TokenEvent, couples
 from .errors import DFlashError
@@ -104,7 +104,7 @@ def stream_generate(
     block_size: int | str | BlockPolicy | None = None,
     stop_tokens: Iterable[int | Sequence[int]] = (),
     use_metal: bool | None = None,
-    prefill_step_size: int = PREFILL_STEP_SIZE,
+    prefill_step_size: int | None = None,
     draft_window: tuple[int, int] | str | None = "auto",
     prompt_cache: PromptCache | None = None,
     copy_proposals: bool = True,
@@ -219,7 +219,7 @@ def batch_generate(
     stop_tokens: Iterable[int | Sequence[int]] = (),
     block_size: int | str | None = None,
     completion_batch_size: int = 8,
-    prefill_step_size: int = 512,
+    prefill_step_size: int | None = None,
     use_metal: bool | None = None,
     copy_proposals: bool = True,
     draft_window: tuple[int, int] | str | None = "auto",
@@ -232,7 +232,8 @@ def batch_generate(
     to every prompt); each output is what ``stream_generate`` gives for that prompt alone: greedy
     token for token, sampled in distribution. ``seed`` gives prompt i the seed ``seed + i``.
     Generation stops at the tokenizer's eos ids and ``stop_tokens``; the stop token is not part of
-    the text. ``prefill_step_size``: prompt tokens per step while other rows decode.
+    the text. ``prefill_step_size``: prompt tokens per forward and per step while other rows decode
+    (None: ``Engine``'s choice, measured).
     """
     if prompt_caches is not None or return_prompt_caches:
         raise DFlashError("batch_generate takes no per-prompt caches: drop prompt_caches/return_prompt_caches "

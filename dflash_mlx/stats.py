@@ -70,6 +70,7 @@ class SpeculativeStats:
     tree_nodes: int = 0  # their nodes, roots included
     off_chain: int = 0  # tree steps whose accepted path left the drafter's top choices
     step_costs: str | None = None  # where the adaptive policy's step costs came from (costs.Costs.source)
+    prefill: str | None = None  # tokens per prefill forward and why (costs.PrefillChunks.describe)
     run_ahead: str | None = None  # whether plain steps started their successors early, and why
 
     def record(self, step: Step) -> None:
@@ -145,6 +146,7 @@ def format_stats(response) -> str:
                                    f"the first {s.draft_window[0]} and the last {s.draft_window[1]} rows"),
             *([f"Sharded: {s.sharding.describe()}"] if s.sharding else []),
             *([f"Step costs: {s.step_costs}"] if s.step_costs else []),
+            *([f"Prefill chunks: {s.prefill}"] if s.prefill else []),
             f"Peak memory: {response.peak_memory:.3f} GB",
         ]
     )
@@ -157,6 +159,7 @@ class EngineStats:
     batched: bool  # False: requests are served one at a time, see ``reason``
     reason: str | None = None
     sharding: ShardingStats | None = None  # set when the target is sharded over several ranks
+    prefill: str | None = None  # tokens per prefill forward and why (costs.PrefillChunks.describe)
     prompt_tokens: int = 0
     prompt_time: float = 0.0
     generation_tokens: int = 0

@@ -322,7 +322,7 @@ def test_a_calibration_that_cannot_be_kept_says_so(kept, tmp_path, monkeypatch):
     assert table.ready(2).rows.keys() == {1, 2} and calls == [1, 2]
 
 
-def test_the_stats_say_where_step_costs_came_from(tiny_pair, capsys, tmp_path, monkeypatch):
+def test_the_stats_say_where_step_costs_and_prefill_chunks_came_from(tiny_pair, capsys, tmp_path, monkeypatch):
     from dflash_mlx.cli import main
 
     target, draft = tiny_pair("qwen3")
@@ -335,10 +335,111 @@ def test_the_stats_say_where_step_costs_came_from(tiny_pair, capsys, tmp_path, m
             raise SystemExit(0)
         out = capsys.readouterr().out
         assert exit_info.value.code == 0
-        said.append(next(line for line in out.splitlines() if line.startswith("Step costs:")))
-    (path,) = (tmp_path / "calibration").glob("*.json")
-    assert said[0].startswith("Step costs: measured in") and said[0].endswith(f"kept in {path}")
-    assert said[1] == f"Step costs: read from {path}"
+        said.append([next(line for line in out.splitlines() if line.startswith(what))
+                     for what in ("Step costs:", "Prefill chunks:")])
+    kept_files = set((tmp_path / "calibration").glob("*.json"))
+    for (first, again), what in zip(zip(*said), ("Step costs: ", "Prefill chunks: ")):
+        (path,) = [p for p in kept_files if f"kept in {p}" in first]
+        assert first.startswith(what) and "measured in" in first
+        assert again.startswith(what) and again.endswith(f"read from {path})" if "chunks" in what else f"read from {path}")
+    assert len(kept_files) == 2
+
+
+class ClockedTarget:
+    """A target whose prefill forward of n tokens advances ``clock`` by ``cost(n)`` seconds."""
+
+    vocab_size = 100
+
+    def __init__(self, cost):
+        self.cost, self.clock, self.forwards = cost, [0.0], []
+
+    def make_cache(self, rows):
+        return []
+
+    def prefill_rows(self, caches, chunks):
+        n = len(chunks[0])
+        self.forwards.append(n)
+        self.clock[0] += self.cost(n)
+        return [(mx.zeros((1, 4)), mx.zeros((1, n, 2)))]
+
+
+@pytest.mark.parametrize("shape", ["cpu-like", "gpu-like"])
+def test_prefill_chunks_are_timed_up_to_where_they_grow_dear(shape, monkeypatch):
+    # cpu-like: masked attention grows a token's cost with the chunk; gpu-like: a forward's fixed
+    # cost (the weights) spread over more tokens, a little attention growth after.
+    cost = (lambda n: n * (1 + n / 1024)) if shape == "cpu-like" else (lambda n: 300 + n * (1 + n / 8192))
+    target = ClockedTarget(cost)
+    monkeypatch.setattr(costs_module.time, "perf_counter", lambda: target.clock[0])
+    timed = costs_module.time_prefill_chunks(type("Pair", (), {"target": target})())
+    per_token = {n: cost(n) / n for n in timed}
+    assert timed == per_token
+    if shape == "cpu-like":  # 128: 1.125, 256: 1.25, 512: 1.5 (over 1.25x the best: timing stops)
+        assert list(timed) == [128, 256, 512]
+        assert target.forwards == [128, 128, 256, 512, 128, 256]  # warm-up, a round, those that may still win
+    else:
+        assert list(timed) == list(costs_module.PREFILL_CHUNKS)
+        assert target.forwards[-1] == 2048 and target.forwards.count(2048) == 2
+
+
+@pytest.mark.parametrize("damage", [None, "truncated", "another key", "negative", "other sizes", "a list"])
+def test_prefill_chunks_are_chosen_kept_and_read(setup, damage, tmp_path, monkeypatch, caplog):
+    import json
+
+    calls = []
+    table = {128: 1.0e-3, 256: 1.04e-3, 512: 1.3e-3}  # 256 is within 5% of the best: fewer forwards
+
+    def timed(model):
+        calls.append(model)
+        return dict(table)
+
+    monkeypatch.setattr(costs_module, "time_prefill_chunks", timed)
+    monkeypatch.setattr(costs_module, "calibration_dir", lambda: tmp_path)
+    model = DFlashModel(setup[0].target, setup[0].drafter)
+    first = costs_module.PrefillChunks(model)
+    assert first.size == 256 and calls == [model] and first.source.endswith(f"kept in {first.path}")
+    assert first.describe().startswith("256 tokens (ms per token by chunk size 128: 1, 256: 1.04, 512: 1.3;")
+    if damage:
+        data = json.loads(first.path.read_text())
+        text = {"truncated": first.path.read_text()[:20], "another key": json.dumps({**data, "key": "0" * 64}),
+                "negative": json.dumps({**data, "per_token": {"128": -1.0}}),
+                "other sizes": json.dumps({**data, "per_token": {"100": 1.0}}), "a list": json.dumps([data])}[damage]
+        first.path.write_text(text)
+    with caplog.at_level("WARNING", logger="dflash_mlx.costs"):
+        again = costs_module.PrefillChunks(DFlashModel(model.target, model.drafter))
+    assert again.size == 256 and again.per_token == table
+    if damage:
+        assert len(calls) == 2 and again.source.startswith("measured in")  # skipped, timed again
+        assert "skipping the prefill timings in" in caplog.text
+        assert costs_module.PrefillChunks(model).source == f"read from {first.path}"  # and replaced
+    else:
+        assert len(calls) == 1 and again.source == f"read from {first.path}"
+
+
+def test_an_engine_prefills_in_the_measured_chunks_unless_given_a_size(setup, tmp_path, monkeypatch):
+    from dflash_mlx.target import Target
+
+    model, tokenizer, prompt, ref = setup
+    long_prompt = prompt * 8  # over 300 tokens: several 128-token chunks
+    monkeypatch.setattr(costs_module, "calibration_dir", lambda: tmp_path / "first")
+    monkeypatch.setattr(costs_module, "time_prefill_chunks", lambda model: {128: 1e-3, 256: 2e-3})
+    chunks, prefill_rows = [], Target.prefill_rows
+    monkeypatch.setattr(Target, "prefill_rows", lambda self, caches, rows: (
+        chunks.append([len(r) for r in rows]), prefill_rows(self, caches, rows))[1])
+    pair = DFlashModel(model.target, model.drafter)
+    expected = [int(t) for t, _ in generate_step(mx.array(long_prompt), model.target.model, max_tokens=12)]
+    for given, size in ((None, 128), (200, 200)):
+        out, stats = tokens(pair, tokenizer, long_prompt, 12, block_size=4, prefill_step_size=given)
+        assert out == expected
+        assert max(map(max, chunks)) == size and sum(map(sum, chunks)) == len(long_prompt)
+        assert stats.prefill.startswith(f"{size} tokens (") and stats.prefill.endswith("(given)" if given else ")")
+        chunks.clear()
+    # Requests sharing a forward take a measured chunk each (the forward holds up to PREFILL_STEP_SIZE).
+    engine = Engine(pair, block_size=4, max_rows=2)
+    uids = [engine.add(p, max_tokens=12) for p in (long_prompt, long_prompt[5:])]
+    out = []
+    while not engine.idle:
+        out += [e.token for e in engine.step() if e.uid == uids[0]]
+    assert out == expected and chunks[0] == [128, 128]
 
 
 @pytest.mark.parametrize("device", ["gpu-like", "cpu-like"])

@@ -83,9 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-concurrency", type=positive_int, default=8,
                    help="Decode up to this many requests together; 1 serves one at a time")
     p.add_argument("--prefill-step-size", type=positive_int, default=None,
-                   help="Most prompt tokens per prefill forward (default: 2048 one at a time, as mlx_lm; "
-                        "512 batched, where a joining prompt holds the running requests up for one such "
-                        "forward per step)")
+                   help="Most prompt tokens per prefill forward (default: chunks of the size this machine "
+                        "prefills fastest, measured once and kept, per request, at most 512 tokens per step "
+                        "while requests decode, where a joining prompt holds them up)")
     p.add_argument("--prompt-cache-size", type=non_negative_int, default=10,
                    help="Most finished requests whose caches later requests may start from (0: none)")
     p.add_argument("--prompt-cache-bytes", type=byte_size, default=None,

@@ -182,6 +182,7 @@ class Worker(threading.Thread):
                                         getattr(self.args, "prompt_cache_disk_bytes", None) or DISK_BYTES)
         self.metrics.prompt_cache = self.prompt_cache
         self.engine = self._engine()
+        logging.info("prefill chunks: %s", self.engine.stats.prefill)
         if self.args.block_size == "auto":  # calibrate now, not during the first requests
             pair_costs = costs(self.model)
             pair_costs.ready(self.engine.max_rows)
@@ -191,8 +192,8 @@ class Worker(threading.Thread):
         from ..engine import Engine
 
         concurrency = getattr(self.args, "decode_concurrency", 1)
-        prefill = getattr(self.args, "prefill_step_size", None) or (2048 if concurrency == 1 else 512)
-        engine = Engine(self.model, block_size=self.args.block_size, max_rows=concurrency, prefill_step_size=prefill,
+        engine = Engine(self.model, block_size=self.args.block_size, max_rows=concurrency,
+                        prefill_step_size=getattr(self.args, "prefill_step_size", None),
                         prompt_cache=self.prompt_cache, copy_proposals=getattr(self.args, "copy_proposals", True),
                         draft_window=getattr(self.args, "draft_window", "auto"),
                         tree_budget=getattr(self.args, "tree_budget", "auto"))
