@@ -62,9 +62,11 @@ KEPT_FORMAT = "dflash-mlx step costs 1"  # bump when what a kept calibration's f
 # Prompt tokens per prefill forward a calibration times (the largest is mlx_lm's prefill step).
 PREFILL_CHUNKS = (128, 256, 512, 1024, 2048)
 PREFILL_FORMAT = "dflash-mlx prefill chunks 1"
-# A larger chunk within this of the cheapest per token is taken, and timing stops at the first
-# chunk this much dearer than the cheapest before it (``PrefillChunks``).
-CHUNK_TOLERANCE, CHUNK_STOP = 1.05, 1.25
+# A larger chunk within this of the cheapest per token is taken (``PrefillChunks``): it leaves
+# fewer short remainders, and a forward has costs this timing on an empty cache does not see (the
+# drafter's share, reading a long cache). Timing stops at the first chunk CHUNK_STOP times dearer
+# per token than the cheapest before it.
+CHUNK_TOLERANCE, CHUNK_STOP = 1.1, 1.25
 log = logging.getLogger("dflash_mlx.costs")
 
 
@@ -254,14 +256,7 @@ class PrefillChunks:
 
     def __init__(self, model: DFlashModel, use_metal: bool | None = None):
         self.path, key, why_not = _kept_file(model, use_metal, PREFILL_FORMAT, [PREFILL_CHUNKS, CHUNK_STOP])
-        data = _kept(self.path, key, PREFILL_FORMAT, "prefill timings") if self.path else None
-        try:
-            self.per_token = _seconds_table(data["per_token"]) if data else None
-            if self.per_token is not None and (not self.per_token or not set(self.per_token) <= set(PREFILL_CHUNKS)):
-                raise ValueError("its chunk sizes are not the ones a calibration times")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            log.warning("skipping the prefill timings in %s: %s", self.path, one_line(e))
-            self.per_token = None
+        self.per_token = _read_chunks(self.path, key) if self.path else None
         if self.per_token is not None:
             self.source = f"read from {self.path}"
         else:
@@ -398,6 +393,22 @@ def _read(path: Path, key: str, max_block_size: int) -> StepCosts | None:
         log.warning("skipping the step costs in %s: %s", path, one_line(e))
         return None
     return table
+
+
+def _read_chunks(path: Path, key: str) -> dict[int, float] | None:
+    """The prefill timings kept in ``path``, or None if there are none or they are damaged or
+    foreign (logged)."""
+    data = _kept(path, key, PREFILL_FORMAT, "prefill timings")
+    if data is None:
+        return None
+    try:
+        per_token = _seconds_table(data["per_token"])
+        if not per_token or not set(per_token) <= set(PREFILL_CHUNKS):
+            raise ValueError("its chunk sizes are not the ones a calibration times")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("skipping the prefill timings in %s: %s", path, one_line(e))
+        return None
+    return per_token
 
 
 _costs: "weakref.WeakKeyDictionary[DFlashModel, Costs]" = weakref.WeakKeyDictionary()

@@ -386,7 +386,7 @@ def test_prefill_chunks_are_chosen_kept_and_read(setup, damage, tmp_path, monkey
     import json
 
     calls = []
-    table = {128: 1.0e-3, 256: 1.04e-3, 512: 1.3e-3}  # 256 is within 5% of the best: fewer forwards
+    table = {128: 1.0e-3, 256: 1.08e-3, 512: 1.3e-3}  # 256 is within 10% of the best: fewer forwards
 
     def timed(model):
         calls.append(model)
@@ -397,7 +397,7 @@ def test_prefill_chunks_are_chosen_kept_and_read(setup, damage, tmp_path, monkey
     model = DFlashModel(setup[0].target, setup[0].drafter)
     first = costs_module.PrefillChunks(model)
     assert first.size == 256 and calls == [model] and first.source.endswith(f"kept in {first.path}")
-    assert first.describe().startswith("256 tokens (ms per token by chunk size 128: 1, 256: 1.04, 512: 1.3;")
+    assert first.describe().startswith("256 tokens (ms per token by chunk size 128: 1, 256: 1.08, 512: 1.3;")
     if damage:
         data = json.loads(first.path.read_text())
         text = {"truncated": first.path.read_text()[:20], "another key": json.dumps({**data, "key": "0" * 64}),
