@@ -12,9 +12,10 @@ Sections (``--sections``), all greedy, in one process:
 
 - ``prefill``: time to the first token, ``dflash_mlx.stream_generate`` against
   ``mlx_lm.stream_generate`` on the same target, each at its default prefill chunk (ours measured,
-  ``costs.PrefillChunks``; mlx_lm's 2048), the first tokens checked equal, interleaved (the order alternates per round),
-  best of ``--repeats``; prompt tokens/s of each and their ratio, by the wall clock and by this
-  process's CPU time (steadier on a shared machine; run with OPENBLAS_NUM_THREADS=1).
+  ``costs.PrefillChunks``; mlx_lm's 2048), the first tokens checked equal, interleaved (the order
+  alternates per round), best of ``--repeats``; prompt tokens/s of each and their ratio, by the
+  wall clock and by this process's CPU time (steadier on a shared machine; run with
+  OPENBLAS_NUM_THREADS=1).
 - ``decode``: decode tokens/s (first token to last, as ``dflash-mlx benchmark`` counts) of plain
   mlx_lm and of DFlash at the defaults, with the whole context as the drafter's (``no window``) and
   with chains only (``chains``, tree budget 0), tau split into the

@@ -237,8 +237,8 @@ class Costs:
 
     def _write(self) -> str | None:
         """Keep the table in ``self.path``; why not, or None."""
-        why_not = _keep(self.path, {"format": KEPT_FORMAT, "key": self.key, "measured": time.time(),
-                                    "rows": {r: {"verify": c.verify, "draft": c.draft} for r, c in self.table.rows.items()},
+        rows = {r: {"verify": c.verify, "draft": c.draft} for r, c in self.table.rows.items()}
+        why_not = _keep(self.path, {"format": KEPT_FORMAT, "key": self.key, "measured": time.time(), "rows": rows,
                                     "per_key": self.table.per_key})
         if why_not:
             self.path = None

@@ -64,9 +64,9 @@ class Engine:
     rows decode; None: a request's chunks are the size this machine prefills fastest
     (``costs.PrefillChunks``), in forwards of up to ``PREFILL_STEP_SIZE`` tokens
     (``DECODING_PREFILL_STEP`` per step while rows decode). prompt_cache: a ``PromptCache`` whose
-    entries requests start from and leaving rows are saved to (None: no reuse). draft_window: ``(keep, recent)`` bounds the
-    drafter's context (``Drafter.make_cache``), ``"auto"`` (the default) the window the drafter
-    records (``DrafterArgs.context_window``), None none. tree_budget: proposals per draft tree
+    entries requests start from and leaving rows are saved to (None: no reuse). draft_window:
+    ``(keep, recent)`` bounds the drafter's context (``Drafter.make_cache``), ``"auto"`` (the
+    default) the window the drafter records (``DrafterArgs.context_window``), None none. tree_budget: proposals per draft tree
     (``tree.py``), ``"auto"`` (per step, for the most expected tokens per second) or 0 for chains
     only; a step whose rows or target cannot verify trees verifies a chain (the stats say why).
     profile: time each step's draft and verify apart (one more host sync per step;
