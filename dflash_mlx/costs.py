@@ -37,7 +37,7 @@ from typing import ClassVar
 import mlx.core as mx
 
 from . import kernels
-from .cache.layout import pair_digest, software
+from .cache.layout import pair_digest, software, target_digest
 from .default import cache_dir
 from .errors import one_line
 from .model import DFlashModel
@@ -255,7 +255,9 @@ class PrefillChunks:
     like ``Costs``; ``source`` says where the figures came from, for the stats."""
 
     def __init__(self, model: DFlashModel, use_metal: bool | None = None):
-        self.path, key, why_not = _kept_file(model, use_metal, PREFILL_FORMAT, [PREFILL_CHUNKS, CHUNK_STOP])
+        # The target's alone: the timing runs no drafter.
+        self.path, key, why_not = _kept_file(model, use_metal, PREFILL_FORMAT, [PREFILL_CHUNKS, CHUNK_STOP],
+                                             lambda m: target_digest(m.target))
         self.per_token = _read_chunks(self.path, key) if self.path else None
         if self.per_token is not None:
             self.source = f"read from {self.path}"
@@ -301,14 +303,15 @@ def time_prefill_chunks(model: DFlashModel) -> dict[int, float]:
     return timed
 
 
-_chunks: "weakref.WeakKeyDictionary[DFlashModel, PrefillChunks]" = weakref.WeakKeyDictionary()
+_chunks: "weakref.WeakKeyDictionary[object, PrefillChunks]" = weakref.WeakKeyDictionary()
 
 
 def prefill_chunks(model: DFlashModel, use_metal: bool | None = None) -> PrefillChunks:
-    """The pair's ``PrefillChunks``, measured on its first use and remembered after."""
-    if model not in _chunks:
-        _chunks[model] = PrefillChunks(model, use_metal)
-    return _chunks[model]
+    """The ``PrefillChunks`` of the pair's target, measured on its first use and remembered after
+    (for every pair over that target)."""
+    if model.target not in _chunks:
+        _chunks[model.target] = PrefillChunks(model, use_metal)
+    return _chunks[model.target]
 
 
 def calibration_dir() -> Path:
@@ -326,13 +329,13 @@ def _machine(use_metal: bool | None) -> dict:
             "device": str(device), "info": info, "kernels": kernels.get_ops(use_metal).path}
 
 
-def _kept_file(model: DFlashModel, use_metal: bool | None, kept_format: str,
-               settings: list) -> tuple[Path | None, str | None, str | None]:
-    """(file, key, None) a measurement of ``model`` in ``kept_format`` with ``settings`` is kept in,
-    or (None, None, why it is not kept)."""
+def _kept_file(model: DFlashModel, use_metal: bool | None, kept_format: str, settings: list,
+               digest=pair_digest) -> tuple[Path | None, str | None, str | None]:
+    """(file, key, None) a measurement of ``model`` (named by ``digest(model)``) in ``kept_format``
+    with ``settings`` is kept in, or (None, None, why it is not kept)."""
     if hasattr(model.target, "on_all_ranks"):
         return None, None, "a sharded target is timed over its ranks' links at every start"
-    described = [kept_format, pair_digest(model), _machine(use_metal), software(), settings]
+    described = [kept_format, digest(model), _machine(use_metal), software(), settings]
     key = hashlib.sha256(json.dumps(described, default=str).encode()).hexdigest()
     return calibration_dir() / f"{key[:32]}.json", key, None
 

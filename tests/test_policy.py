@@ -1,6 +1,8 @@
 """The block policy (fixed and auto, one row or many), the drafter's context window and prompt
 reuse: the choices the engine asks the policy for, and losslessness whatever it chooses."""
 
+import weakref
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -9,6 +11,7 @@ from tiny import OracleDrafter, PolicyRow, ScriptedPolicy
 import dflash_mlx
 from dflash_mlx import DFlashModel, Engine, PromptCache, stream_generate
 from dflash_mlx.cache.context import ContextCache
+from dflash_mlx.cache.layout import pair_digest
 from dflash_mlx import costs as costs_module
 from dflash_mlx.costs import Costs, RowCosts, StepCosts, calibrate, costs
 from dflash_mlx.copying import Copy
@@ -413,6 +416,11 @@ def test_prefill_chunks_are_chosen_kept_and_read(setup, damage, tmp_path, monkey
         assert costs_module.PrefillChunks(model).source == f"read from {first.path}"  # and replaced
     else:
         assert len(calls) == 1 and again.source == f"read from {first.path}"
+        # Kept for the target alone: a pair with another drafter over it reads them too.
+        changed = type(model.drafter)(model.drafter.args)
+        assert pair_digest(DFlashModel(model.target, changed)) != pair_digest(model)
+        assert costs_module.PrefillChunks(DFlashModel(model.target, changed)).source == f"read from {first.path}"
+        assert len(calls) == 1
 
 
 def test_an_engine_prefills_in_the_measured_chunks_unless_given_a_size(setup, tmp_path, monkeypatch):
@@ -421,6 +429,7 @@ def test_an_engine_prefills_in_the_measured_chunks_unless_given_a_size(setup, tm
     model, tokenizer, prompt, ref = setup
     long_prompt = prompt * 8  # over 300 tokens: several 128-token chunks
     monkeypatch.setattr(costs_module, "calibration_dir", lambda: tmp_path / "first")
+    monkeypatch.setattr(costs_module, "_chunks", weakref.WeakKeyDictionary())  # this target's, timed anew
     monkeypatch.setattr(costs_module, "time_prefill_chunks", lambda model: {128: 1e-3, 256: 2e-3})
     chunks, prefill_rows = [], Target.prefill_rows
     monkeypatch.setattr(Target, "prefill_rows", lambda self, caches, rows: (

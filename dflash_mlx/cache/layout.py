@@ -68,21 +68,36 @@ def _args(args: Any) -> Any:
     return asdict(args) if is_dataclass(args) else dict(vars(args))
 
 
+def _target(target: Any) -> dict:
+    policy = target.cache_policy
+    return {"model_type": policy.model_type, "args": _args(target.args), "layers": len(target.layers),
+            "layer_ids": target.layer_ids, "weights": _weights(target.model),
+            "recurrent": sorted(policy.mixers), "windows": sorted(policy.windows.items())}
+
+
+def _digest(described: dict) -> str:
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def pair_digest(model: Any) -> str:
     """A digest of the pair's configs and weights (the pair's part of a key), computed once per
     ``DFlashModel``."""
     if model not in _fingerprints:
-        target, drafter = model.target, model.drafter
-        policy = target.cache_policy
-        described = {
-            "target": {"model_type": policy.model_type, "args": _args(target.args), "layers": len(target.layers),
-                       "layer_ids": target.layer_ids, "weights": _weights(target.model),
-                       "recurrent": sorted(policy.mixers), "windows": sorted(policy.windows.items())},
+        drafter = model.drafter
+        _fingerprints[model] = _digest({
+            "target": _target(model.target),
             "drafter": {"architecture": drafter.architecture, "args": _args(drafter.args),
                         "weights": _weights(drafter)},
-        }
-        _fingerprints[model] = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
+        })
     return _fingerprints[model]
+
+
+def target_digest(target: Any) -> str:
+    """A digest of the target's config and weights alone, for what does not depend on the drafter;
+    computed once per ``Target``."""
+    if target not in _fingerprints:
+        _fingerprints[target] = _digest({"target": _target(target)})
+    return _fingerprints[target]
 
 
 @dataclass(frozen=True, eq=False)
