@@ -5,11 +5,12 @@
 The built-in pair (``dflash_mlx.default``), one short chat prompt, greedy. Per round, interleaved,
 each a fresh process:
 - ``first``: block size auto with an empty cache folder (``DFLASH_MLX_CACHE``): the process times the
-  pair's steps (``costs.py``) and keeps them;
+  pair's steps and its target's prefill chunks (``costs.py``) and keeps them;
 - ``kept``: block size auto again on that folder: it reads them;
-- ``plain``: ``--block-size 1``, which needs no calibration: what the process costs besides decoding.
-The table shows each one's median wall time and the ``Step costs:`` line it printed; every run must
-write the same text (greedy).
+- ``plain``: ``--block-size 1`` on that folder, which needs no step costs (it reads the prefill
+  chunks): what the process costs besides decoding.
+The table shows each one's median wall time and the ``Step costs:`` and ``Prefill chunks:`` lines it
+printed; every run must write the same text (greedy).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ PROMPT = "Write a haiku about the sea."
 
 
 def run(folder: str, max_tokens: int, block_size: str) -> tuple[float, str, str]:
-    """(wall seconds, the generated text, the Step costs line) of one process."""
+    """(wall seconds, the generated text, its Step costs and Prefill chunks lines) of one process."""
     target, draft = default_pair()
     command = [sys.executable, "-m", "dflash_mlx", "generate", "--model", target, "--draft", draft, "--prompt", PROMPT,
                "--max-tokens", str(max_tokens), "--block-size", block_size]
@@ -39,7 +40,7 @@ def run(folder: str, max_tokens: int, block_size: str) -> tuple[float, str, str]
                           check=True)
     seconds = time.perf_counter() - tic
     text = done.stdout.split("==========")[0]
-    costs = next((line for line in done.stdout.splitlines() if line.startswith("Step costs:")), "")
+    costs = " | ".join(line for line in done.stdout.splitlines() if line.startswith(("Step costs:", "Prefill chunks:")))
     return seconds, text, costs
 
 
