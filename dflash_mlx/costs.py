@@ -288,9 +288,7 @@ def time_prefill_chunks(model: DFlashModel) -> dict[int, float]:
 
     def per_token(n: int) -> float:
         cache = target.make_cache(1)
-        tic = time.perf_counter()
-        mx.eval(target.prefill_rows([cache], [tokens[:n]]), [c.state for c in cache])
-        return (time.perf_counter() - tic) / n
+        return _seconds(lambda: mx.eval(target.prefill_rows([cache], [tokens[:n]]), [c.state for c in cache])) / n
 
     per_token(PREFILL_CHUNKS[0])  # the first forward pays for allocation and graph setup
     timed: dict[int, float] = {}

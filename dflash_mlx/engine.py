@@ -66,11 +66,11 @@ class Engine:
     (``DECODING_PREFILL_STEP`` per step while rows decode). prompt_cache: a ``PromptCache`` whose
     entries requests start from and leaving rows are saved to (None: no reuse). draft_window:
     ``(keep, recent)`` bounds the drafter's context (``Drafter.make_cache``), ``"auto"`` (the
-    default) the window the drafter records (``DrafterArgs.context_window``), None none. tree_budget: proposals per draft tree
-    (``tree.py``), ``"auto"`` (per step, for the most expected tokens per second) or 0 for chains
-    only; a step whose rows or target cannot verify trees verifies a chain (the stats say why).
-    profile: time each step's draft and verify apart (one more host sync per step;
-    ``stats.draft_seconds``/``verify_seconds``).
+    default) the window the drafter records (``DrafterArgs.context_window``), None none.
+    tree_budget: proposals per draft tree (``tree.py``), ``"auto"`` (per step, for the most
+    expected tokens per second) or 0 for chains only; a step whose rows or target cannot verify
+    trees verifies a chain (the stats say why). profile: time each step's draft and verify apart
+    (one more host sync per step; ``stats.draft_seconds``/``verify_seconds``).
     """
 
     def __init__(
@@ -93,11 +93,11 @@ class Engine:
         self.ops = kernels.get_ops(use_metal)
         self.policy = block_size if isinstance(block_size, BlockPolicy) else make_policy(
             model, block_size, use_metal, tree_budget=tree_budget)
-        chunks = None if prefill_step_size else prefill_chunks(model, use_metal)
+        timed = None if prefill_step_size else prefill_chunks(model, use_metal)
         # Prompt tokens per forward, per step while rows decode, and per request per forward.
         self.prefill_step_size = prefill_step_size or PREFILL_STEP_SIZE
         self.decoding_prefill = prefill_step_size or DECODING_PREFILL_STEP
-        self.prefill_chunk = prefill_step_size or chunks.size
+        self.prefill_chunk = prefill_step_size or timed.size
         self.profile = profile
         self.draft_window = self.drafter.args.context_window() if draft_window == "auto" else draft_window
         self.drafter.make_cache(self.draft_window)  # checks the window
@@ -111,7 +111,7 @@ class Engine:
         self.stats = EngineStats(batched=self.max_rows > 1, reason=reason if reason else
                                  None if max_rows > 1 else "max_rows is 1",
                                  sharding=start_record() if start_record else None,
-                                 prefill=chunks.describe() if chunks else f"{prefill_step_size} tokens (given)")
+                                 prefill=timed.describe() if timed else f"{prefill_step_size} tokens (given)")
         self.head, self.mask_id = self.target.head(self.drafter.vocab_rows), self.drafter.args.mask_token_id
         self.copy_proposals, self.corpus = copy_proposals, self.drafter.corpus
         self.prompt_cache = None if prompt_cache is None else prompt_cache.bind(model, self.draft_window)
