@@ -251,7 +251,9 @@ def default_mask_token(tokenizer) -> int:
 
 def evaluate_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[str | list[dict]], max_tokens: int,
                  progress=None, draft_window: tuple[int, int] | None = None) -> dict:
-    """Real greedy DFlash generations on held-out prompts: tau = tokens / steps."""
+    """Real greedy DFlash generations on held-out prompts: tau = tokens / steps, of the drafter
+    alone (one chain at its block size, no copies, no trees), so the figure is the same on every
+    machine: the auto policy's choices follow the machine's measured costs."""
     from ..generation import stream_generate
     from ..model import DFlashModel
 
@@ -260,7 +262,8 @@ def evaluate_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[str 
     for prompt in prompts:
         prompt = prompt_ids(tokenizer, prompt)
         response = None
-        for response in stream_generate(model, tokenizer, prompt, max_tokens, draft_window=draft_window):
+        for response in stream_generate(model, tokenizer, prompt, max_tokens, block_size=drafter.args.block_size,
+                                        draft_window=draft_window, copy_proposals=False, tree_budget=0):
             pass
         lengths += response.stats.acceptance_lengths
         if progress is not None:
