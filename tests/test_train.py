@@ -204,10 +204,11 @@ def test_hidden_cache_runs_the_target_only_over_new_sequences(tiny_pair, tmp_pat
         return real(t, s, progress=kw.get("progress"))
 
     monkeypatch.setattr(data, "compute_hidden", counting)
-    first = data.cached_hidden(folder, target, seqs[:2])
+    first, _ = data.cached_hidden(folder, target, seqs[:2])
     asked = seqs[:4] + seqs[:1]  # two new sequences (and a repeat)
-    both = data.cached_hidden(folder, target, asked)
-    again = data.cached_hidden(folder, target, seqs[3::-1])  # all cached, other order
+    both, labels = data.cached_hidden(folder, target, asked)
+    again, _ = data.cached_hidden(folder, target, seqs[3::-1])  # all cached, other order
+    assert labels == [None] * len(asked)  # the target's own answers are their own labels
     assert computed == [2, 2]
     for got, (tokens, _) in zip(both, asked):
         _, expected = target(mx.array(tokens[None]), None)
@@ -333,3 +334,58 @@ def test_conversation_prompts_are_read_through_the_chat_template(tiny_pair):
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
     assert data.prompt_ids(tokenizer, "hi") == tokenizer.apply_chat_template(chat[:1], add_generation_prompt=True)
     assert data.prompt_ids(tokenizer, chat) == tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+
+
+def test_texts_are_labelled_with_the_targets_greedy_continuation(tiny_pair, tmp_path, monkeypatch):
+    """A text the target did not write (``--texts``) is learned teacher-forced: one pass in chunks
+    gives its hidden states and the target's greedy token after every position, as an uncached pass
+    does; a block's labels are the target's greedy continuation of its anchor, valid up to the
+    first position where the text departs from it; the pass is cached like the answers'."""
+    target_path, _ = tiny_pair("qwen3")
+    model, _ = mlx_lm.load(str(target_path))
+    target = Target(model, [0, 1])
+    tokens = [5, 9, 13, 7]
+    for _ in range(12):  # the target's own greedy continuation...
+        tokens.append(target(mx.array([tokens]), None)[0][0, -1].argmax().item())
+    nxt = target(mx.array([tokens]), None)[0][0, -1].argmax().item()
+    tokens += [(nxt + 1) % 60 + 3, 11, 4, 21, 30, 8]  # ...then a departure from it
+    text = np.array(tokens, np.int32)
+
+    logits, expected = target(mx.array(text[None]), None)
+    hidden, greedy = data.teacher_forced(target, text, chunk=5)
+    assert mx.allclose(hidden.astype(mx.float32), expected[0], rtol=2e-2, atol=2e-2).item()
+    assert np.array_equal(np.array(greedy), np.array(logits[0].argmax(-1)))
+
+    passes = []
+    monkeypatch.setattr(data, "teacher_forced", lambda t, s: passes.append(len(s)) or (hidden, greedy))
+    for _ in range(2):
+        cached, labels = data.cached_hidden(tmp_path / "cache", target, [(text, 1)], texts=True)
+    assert passes == [len(text)] and np.array_equal(labels[0], np.array(greedy))
+
+    B, T = 6, len(text)
+    _, _, _, anchors, got, valid = data.make_batch([(text, 1)], cached, [0], np.random.default_rng(0), T - 2, B,
+                                                   greedy=labels)
+    g = np.array(greedy)
+    for j, a in enumerate(np.array(anchors)[0]):
+        for k in range(B - 1):
+            follows = all(text[a + 1 + m] == g[a + m] for m in range(k))  # the text so far is the target's
+            assert bool(valid[0, j, k]) == (a + k + 1 < T and follows), (a, k)
+            if valid[0, j, k]:
+                assert got[0, j, k].item() == g[a + k], (a, k)
+    departure = 16  # the first token the target would not have written
+    a = list(np.array(anchors)[0]).index(departure - 2)
+    assert np.array(valid[0, a]).tolist() == [True, True] + [False] * (B - 3)
+    assert got[0, a, 1].item() == nxt != text[departure]
+
+
+def test_train_on_texts_alone(tiny_pair, tmp_path):
+    """``--texts`` with no prompts: the drafter learns from the target's greedy tokens over the texts."""
+    target, _ = tiny_pair("qwen3")
+    out = tmp_path / "drafter"
+    _train(tmp_path, target, out, 4, "--num-prompts", "0", "--texts", str(tmp_path / "prompts.txt"), "--num-texts", "6",
+           "--eval-prompts", "0")
+    result = json.loads((out / "train_result.json").read_text())
+    assert result["answer_tokens"] == 0 and result["text_tokens"] > 6 * 3 and result["sequences"] == 6
+    assert load_drafter(str(out)).args.block_size == 8
+    with pytest.raises(DFlashError, match="nothing to train on"):
+        _train(tmp_path, target, tmp_path / "empty", 4, "--num-prompts", "0")

@@ -6,6 +6,10 @@ The recipe follows SpecForge's public one, which the DFlash paper's drafters wer
    learns the target's distribution; the target's hidden states at
    ``target_layer_ids`` over prompt + answer are computed once per sequence
    (cached in ``--out/cache``, so more prompts cost only their own pass) and kept in memory.
+   Texts the target did not write (``--texts``) are learned teacher-forced instead: one target
+   pass over a text gives its hidden states and the target's greedy token after every position,
+   and a block's labels are those tokens up to the first position where the text departs from
+   the target's own continuation: exact labels without generating answers (``data.make_batch``).
 2. Each step samples random anchors in the answers. Every anchor ``a`` makes a
    block ``[x_a, MASK x (B-1)]`` at positions ``a..a+B-1``; all blocks of a
    sequence go through one drafter forward whose mask lets a block see the
@@ -314,6 +318,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=1000, help="Training prompts (the target answers each)")
     p.add_argument("--skip-prompts", type=int, default=0,
                    help="Skip the first N prompts of the mixed order (those an earlier run with this seed used)")
+    p.add_argument("--texts", nargs="+", default=[],
+                   help="Text sources (the --prompts kinds) learned teacher-forced: the labels are the target's greedy "
+                        "token at every position, from one target pass per text, no answers generated")
+    p.add_argument("--num-texts", type=int, default=0, help="Texts drawn from --texts")
+    p.add_argument("--max-text-tokens", type=int, default=4096, help="Texts are cut to this many tokens")
     p.add_argument("--eval-prompts", type=int, default=12, help="Held-out prompts for the final tau evaluation")
     p.add_argument("--max-response-tokens", type=int, default=256, help="Target answer length cap")
     p.add_argument("--gen-batch-size", type=int, default=32, help="Batch size of the target's answer generation")
@@ -377,7 +386,12 @@ def run(args: argparse.Namespace) -> None:
 
     seqs = sequences(records, tokenizer.eos_token_id, args.max_response_tokens)
     num_tokens = sum(len(t) - a for t, a in seqs)
-    drafter = trained or new_drafter(args, model, tokenizer, seqs)
+    texts = [(np.array(prompt_ids(tokenizer, t)[: args.max_text_tokens], np.int32), 1)
+             for t in load_prompts(args.texts, args.num_texts, args.seed)] if args.texts and args.num_texts else []
+    texts = [(t, a) for t, a in texts if len(t) >= 3]
+    if not seqs and not texts:
+        raise DFlashError("nothing to train on: give --num-prompts answers or --texts with --num-texts")
+    drafter = trained or new_drafter(args, model, tokenizer, seqs + texts)
     # The answers it learns from are also the corpus it copies from (copying.py).
     earlier = drafter.corpus.tokens if drafter.corpus is not None else []
     drafter.corpus = corpus_index(earlier + [t for r in records for t in r["response_ids"]])
@@ -389,7 +403,11 @@ def run(args: argparse.Namespace) -> None:
     model.freeze()
     # Beside the checkpoint, in shards a rerun with more prompts extends.
     with tqdm(desc="target hidden states", unit="seq", dynamic_ncols=True) as bar:
-        hidden = cached_hidden(out / "cache", target, seqs, progress=bar)
+        hidden, greedy = cached_hidden(out / "cache", target, seqs, progress=bar)
+    with tqdm(desc="texts, teacher-forced", unit="text", dynamic_ncols=True, disable=not texts) as bar:
+        text_hidden, text_greedy = cached_hidden(out / "cache", target, texts, progress=bar, texts=True)
+    text_tokens = sum(len(t) for t, _ in texts)
+    seqs, hidden, greedy = seqs + texts, hidden + text_hidden, greedy + text_greedy
     mx.eval(drafter.parameters())
     warmup = max(1, int(args.warmup * args.steps))
     schedule = optim.join_schedules(
@@ -426,7 +444,7 @@ def run(args: argparse.Namespace) -> None:
             epoch, k = divmod(step, len(batches))
             order = np.random.default_rng([args.seed, epoch]).permutation(len(batches))
             batch = make_batch(seqs, hidden, batches[order[k]], np.random.default_rng([args.seed, 1, step]), args.anchors, B,
-                               window)
+                               window, greedy)
             loss, correct = train_step(batch)
             mx.eval(loss, correct, drafter.parameters(), optimizer.state)
             step += 1
@@ -439,7 +457,7 @@ def run(args: argparse.Namespace) -> None:
                 save_checkpoint(out, drafter, optimizer, step, train_config)
     train_seconds = time.perf_counter() - tic
 
-    result = {"answer_tokens": num_tokens, "sequences": len(seqs), "data_seconds": round(data_seconds, 1),
+    result = {"answer_tokens": num_tokens, "text_tokens": text_tokens, "sequences": len(seqs), "data_seconds": round(data_seconds, 1),
               "train_seconds": round(train_seconds, 1), "final_loss": None if ema is None else round(float(ema[0]), 4),
               "final_tau_proxy": None if ema is None else round(float(ema[2]), 3)}
     if eval_prompts:

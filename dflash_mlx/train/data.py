@@ -20,6 +20,8 @@ Prompt sources (``--prompts``, repeatable, mixed round-robin):
 drafter learns to draft after a long context; ``--max-prompt-tokens`` must let them through.
 The manual's sections and the packages in ``LONG_HELD_OUT`` are never trained on: the long-context
 benchmark (``benchmarks/bench_long_context.py``) draws its prompts from them.
+
+The same sources serve as ``--texts``: read by the target rather than answered (``teacher_forced``).
 """
 
 from __future__ import annotations
@@ -355,13 +357,29 @@ def compute_hidden(target: Target, seqs: list[tuple[np.ndarray, int]], batch: in
     return hidden
 
 
+def teacher_forced(target: Target, tokens: np.ndarray, chunk: int = 512) -> tuple[mx.array, mx.array]:
+    """For a text the target did not write: its hidden states (T, k*H) in bfloat16 and the target's
+    greedy token after each position (T,), the labels (see ``make_batch``). One pass in chunks
+    through a cache, so a long text costs a prefill rather than a T x T attention."""
+    cache = target.make_cache()
+    hidden, greedy = [], []
+    for start in range(0, len(tokens), chunk):
+        logits, h = target(mx.array(tokens[None, start : start + chunk]), cache)
+        hidden.append(h[0].astype(mx.bfloat16))
+        greedy.append(logits[0].argmax(-1).astype(mx.int32))
+        mx.eval(hidden[-1], greedy[-1], [c.state for c in cache])
+    return mx.concatenate(hidden), mx.concatenate(greedy)
+
+
 def _sequence_key(tokens: np.ndarray) -> str:
     return hashlib.sha1(tokens.astype(np.int32).tobytes()).hexdigest()
 
 
 def cached_hidden(folder: Path, target: Target, seqs: list[tuple[np.ndarray, int]], progress=None,
-                  shard_size: int = 128) -> list[mx.array]:
-    """Hidden states of ``seqs``, running the target only over sequences ``folder`` lacks.
+                  shard_size: int = 128, texts: bool = False) -> tuple[list[mx.array], list[np.ndarray | None]]:
+    """Hidden states of ``seqs``, running the target only over sequences ``folder`` lacks, and
+    their labels: None for the target's own answers (their tokens are the labels), the target's
+    greedy token after each position for ``texts`` (``teacher_forced``).
 
     Entries are keyed by a hash of their tokens, so a run given more prompts (or
     resumed) pays the target pass for the new answers alone. New entries are
@@ -370,7 +388,8 @@ def cached_hidden(folder: Path, target: Target, seqs: list[tuple[np.ndarray, int
     """
     layers = json.dumps(target.layer_ids)
     keys = [_sequence_key(t) for t, _ in seqs]
-    wanted = set(keys)  # a run with fewer prompts than the cache holds keeps only its own
+    names = [(k, k + ".greedy") if texts else (k,) for k in keys]
+    wanted = {n for group in names for n in group}  # a run with fewer prompts than the cache holds keeps only its own
     cache: dict[str, mx.array] = {}
     shards = sorted(folder.glob("hidden-*.safetensors"))
     for shard in shards:
@@ -378,18 +397,26 @@ def cached_hidden(folder: Path, target: Target, seqs: list[tuple[np.ndarray, int
         if metadata.get("layers") == layers:
             cache.update((k, v) for k, v in arrays.items() if k in wanted)
     # Unique missing sequences, by length: a shard's batches then pad little.
-    missing = sorted({k: i for i, k in enumerate(keys) if k not in cache}.values(), key=lambda i: len(seqs[i][0]))
+    unique = {group[0]: i for i, group in enumerate(names) if any(n not in cache for n in group)}
+    missing = sorted(unique.values(), key=lambda i: len(seqs[i][0]))
     if progress is not None:
         progress.reset(total=len(missing))
     folder.mkdir(parents=True, exist_ok=True)
     for n, start in enumerate(range(0, len(missing), shard_size), len(shards)):
         chunk = missing[start : start + shard_size]
-        fresh = {keys[i]: h for i, h in zip(chunk, compute_hidden(target, [seqs[i] for i in chunk], progress=progress))}
+        if texts:
+            fresh = {}
+            for i in chunk:
+                fresh[keys[i]], fresh[keys[i] + ".greedy"] = teacher_forced(target, seqs[i][0])
+                if progress is not None:
+                    progress.update(1)
+        else:
+            fresh = {keys[i]: h for i, h in zip(chunk, compute_hidden(target, [seqs[i] for i in chunk], progress=progress))}
         tmp = folder / f"tmp-hidden-{n:05d}.safetensors"
         mx.save_safetensors(str(tmp), fresh, metadata={"layers": layers})
         tmp.rename(folder / f"hidden-{n:05d}.safetensors")  # whole shards only
         cache.update(fresh)
-    return [cache[k] for k in keys]
+    return [cache[k] for k in keys], [np.array(cache[k + ".greedy"]) if texts else None for k in keys]
 
 
 def make_batch(
@@ -400,11 +427,15 @@ def make_batch(
     num_anchors: int,
     block_size: int,
     window: tuple[int, int] | None = None,
+    greedy: list[np.ndarray | None] | None = None,
 ) -> tuple[mx.array, ...]:
     """Context (S,C,kH), its tail start (S,), block tokens (S,N,B), anchors (S,N), labels (S,N,B-1),
-    label mask (see ``train.training_hidden``). With a ``window`` the context holds only the rows
-    some block sees: the first keep, then from the first anchor's window to the last anchor, so a
-    long prompt costs its window, not its length."""
+    label mask (see ``train.training_hidden``). A block's labels are the tokens the target writes
+    after its anchor: a sequence's own tokens where the target wrote them, else (``greedy``, from
+    ``teacher_forced``) the target's greedy token after each position, valid up to the block's first
+    position where the text departs from it (past that the text is no longer the target's context).
+    With a ``window`` the context holds only the rows some block sees: the first keep, then from the
+    first anchor's window to the last anchor, so a long prompt costs its window, not its length."""
     S, B = len(idx), block_size
     anchors = np.zeros((S, num_anchors), np.int32)
     valid_anchor = np.zeros((S, num_anchors), bool)
@@ -414,15 +445,17 @@ def make_batch(
     spans = []  # (tail start, tail end) of each sequence's context rows
     for row, i in enumerate(idx):
         tokens, answer = seqs[i]
+        after = tokens[1:] if greedy is None or greedy[i] is None else greedy[i][:-1]  # the target's next token
+        padded = np.concatenate([after, np.zeros(B, np.int32)])
+        follows = np.concatenate([tokens[1:] == after, np.zeros(B, bool)])  # the text is the target's own
         # Anchors are answer tokens with at least one token after them, as at inference.
         candidates = np.arange(answer, len(tokens) - 1)
         chosen = np.sort(rng.choice(candidates, min(num_anchors, len(candidates)), replace=False))
         anchors[row, : len(chosen)] = chosen
         valid_anchor[row, : len(chosen)] = True
-        padded = np.concatenate([tokens, np.zeros(B, np.int32)])
         for j, a in enumerate(chosen):
-            labels[row, j] = padded[a + 1 : a + B]
-            valid[row, j] = np.arange(a + 1, a + B) < len(tokens)
+            labels[row, j] = padded[a : a + B - 1]
+            valid[row, j] = (np.arange(a + 1, a + B) < len(tokens)) & np.cumprod(np.r_[True, follows[a : a + B - 2]], dtype=bool)
         spans.append((0, len(tokens)) if window is None else
                      (max(keep, int(chosen[0]) - window[1]), max(keep, int(chosen[-1]))))
     width = max(end - start for start, end in spans)
