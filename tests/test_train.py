@@ -389,3 +389,6 @@ def test_train_on_texts_alone(tiny_pair, tmp_path):
     assert load_drafter(str(out)).args.block_size == 8
     with pytest.raises(DFlashError, match="nothing to train on"):
         _train(tmp_path, target, tmp_path / "empty", 4, "--num-prompts", "0")
+    with pytest.raises(DFlashError, match="go together"):  # not silently no texts
+        _train(tmp_path, target, tmp_path / "half", 4, "--texts", "docs")
+    assert not (tmp_path / "half").exists()  # refused before anything is written

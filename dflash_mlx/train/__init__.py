@@ -363,6 +363,8 @@ def run(args: argparse.Namespace) -> None:
         raise DFlashError(f"{out} already holds a training run: pass --resume to continue it or choose another --out")
     if args.block_size is not None and args.block_size < 2:
         raise DFlashError(f"--block-size {args.block_size} leaves nothing to draft: use 2 or more")
+    if bool(args.texts) != bool(args.num_texts):
+        raise DFlashError("--texts and --num-texts go together: give the sources and how many texts to read")
     model_path = args.model
     if model_path is None:
         from ..default import default_target
@@ -387,7 +389,7 @@ def run(args: argparse.Namespace) -> None:
     seqs = sequences(records, tokenizer.eos_token_id, args.max_response_tokens)
     num_tokens = sum(len(t) - a for t, a in seqs)
     texts = [(np.array(prompt_ids(tokenizer, t)[: args.max_text_tokens], np.int32), 1)
-             for t in load_prompts(args.texts, args.num_texts, args.seed)] if args.texts and args.num_texts else []
+             for t in load_prompts(args.texts, args.num_texts, args.seed)]
     texts = [(t, a) for t, a in texts if len(t) >= 3]
     if not seqs and not texts:
         raise DFlashError("nothing to train on: give --num-prompts answers or --texts with --num-texts")
