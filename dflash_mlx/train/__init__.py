@@ -390,7 +390,7 @@ def run(args: argparse.Namespace) -> None:
     num_tokens = sum(len(t) - a for t, a in seqs)
     texts = [(np.array(prompt_ids(tokenizer, t)[: args.max_text_tokens], np.int32), 1)
              for t in load_prompts(args.texts, args.num_texts, args.seed)]
-    texts = [(t, a) for t, a in texts if len(t) >= 3]
+    texts = [(t, a) for t, a in texts if len(t) >= 3]  # an anchor needs a token before it and one after
     if not seqs and not texts:
         raise DFlashError("nothing to train on: give --num-prompts answers or --texts with --num-texts")
     drafter = trained or new_drafter(args, model, tokenizer, seqs + texts)
