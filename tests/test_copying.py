@@ -243,24 +243,29 @@ def test_sampling_with_copies_is_exact(tiny_pair, rule):
         drafter_config(TARGETS["qwen3"]), "dflash2")))
     pair.drafter.corpus = model.drafter.corpus
     mx.random.seed(4321)
-    counts, copy_steps, accepted, from_corpus, runs = np.zeros(len(first), int), 0, 0, 0, 600
-    engine = Engine(pair, block_size=4, prompt_cache=PromptCache())  # each run prefills one token
+    runs = 600
+    # 64 runs decoded together; after the first prefill each run prefills one token (prompt cache).
+    engine = Engine(pair, block_size=4, max_rows=64, prompt_cache=PromptCache())
+    uids = []
     for run in range(runs):
-        uid = engine.add(prompt, max_tokens=4, temp=params.temp, seed=run if rule == "coupled" else None)
+        uids.append(engine.add(prompt, max_tokens=4, temp=params.temp, seed=run if rule == "coupled" else None))
         # Copy only whenever there is something to copy (the rates say copies always win).
         acceptance = engine.pending[-1].acceptance
         acceptance.drafter.rates = [0.0] * len(acceptance.drafter.rates)
         for rates in acceptance.copies + acceptance.corpus_copies:
             rates.rates = [1.0] * len(rates.rates)
-        events = []
-        while not engine.idle:
-            events += [e for e in engine.step() if e.uid == uid]
-        counts[events[1].token] += 1
-        copy_steps += events[-1].stats.copy_steps > 0
-        accepted += events[1].from_draft
-        copy = CopyIndex(prompt + [events[0].token], pair.drafter.corpus).suggest(3)  # what the step was offered
-        from_corpus += copy is not None and copy.from_corpus
-    assert events[-1].stats.sampling == rule
+    events = {uid: [] for uid in uids}
+    while not engine.idle:
+        for event in engine.step():
+            events[event.uid].append(event)
+    runs_events = [events[uid] for uid in uids]
+    counts = np.bincount([e[1].token for e in runs_events], minlength=len(first))
+    copy_steps = sum(e[-1].stats.copy_steps > 0 for e in runs_events)
+    accepted = sum(e[1].from_draft for e in runs_events)
+    # what each run's second step was offered
+    offered = [CopyIndex(prompt + [e[0].token], pair.drafter.corpus).suggest(3) for e in runs_events]
+    from_corpus = sum(copy is not None and copy.from_corpus for copy in offered)
+    assert runs_events[-1][-1].stats.sampling == rule
     assert chi_square_p_value(counts, expected) > ALPHA
     assert copy_steps > 0.8 * runs and 0 < accepted < copy_steps  # copies ran, some accepted, some rejected
     assert 0.2 * runs < from_corpus < 0.8 * runs  # from both sources

@@ -5,7 +5,8 @@ Each launch loads one tiny target sharded over two ranks and runs every case on 
 shards (``Driver.on_all_ranks``), DFlash greedy at block sizes 4 and 16 with a
 drafter that knows the answer but errs every 5th position (long accepted runs and
 partial rejections, so rollback runs on every rank), two requests batched on rank 0,
-seeded sampling twice, and the public ``stream_generate`` path for the stats. Tensor parallel: qwen3; qwen3_5
+seeded sampling twice, and the public ``stream_generate`` path for the stats (at block size auto,
+calibrating sharded, in the qwen3 and pipeline launches). Tensor parallel: qwen3; qwen3_5
 (hybrid; its untied head is split by vocabulary, so rank 0 drafts with a whole copy);
 llama with sliding-window layers. Pipeline parallel: qwen3_5, whose tapped layers
 live on both ranks.
@@ -96,8 +97,10 @@ def rank_main(spec: dict) -> None:
         mx.random.seed(SAMPLING_SEED)
         out[f"sampled{run}"] = dflash_tokens(oracle, 4, TEMP)[0]
     response = None
-    # block size auto: calibration (its long context stretched on every rank, Driver.stretch) runs sharded
-    for response in dflash_mlx.stream_generate(pair, tokenizer, PROMPT, 12, block_size="auto", prefill_step_size=PREFILL_STEP):
+    # block size auto: calibration (its long context stretched on every rank, Driver.stretch) runs
+    # sharded; it costs a launch seconds, so the launches that do not ask for it skip it
+    block_size = "auto" if spec.get("calibrate", True) else 4
+    for response in dflash_mlx.stream_generate(pair, tokenizer, PROMPT, 12, block_size=block_size, prefill_step_size=PREFILL_STEP):
         pass
     out["stats"] = format_stats(response)
     print("RESULT " + json.dumps(out), flush=True)
@@ -222,7 +225,7 @@ def test_tensor_parallel_qwen3(tiny_pair, tmp_path):
 
 def test_tensor_parallel_qwen3_5_split_head(tmp_path):
     target, draft = _qwen3_5_folder(tmp_path, index=False)
-    out = _launch({"target": str(target), "draft": str(draft), "pipeline": False, "sampling": False})
+    out = _launch({"target": str(target), "draft": str(draft), "pipeline": False, "sampling": False, "calibrate": False})
     _check_lossless(out, "tensor parallel")
 
 
@@ -234,7 +237,7 @@ def test_tensor_parallel_sliding_window_llama(tmp_path):
     target = save_target(tmp_path / "llama", "llama", layer_types=["sliding_attention", "full_attention"] * (layers // 2),
                          sliding_window=6)
     draft = save_drafter(tmp_path / "llama-draft", drafter_config(TARGETS["llama"]))
-    out = _launch({"target": str(target), "draft": str(draft), "pipeline": False, "sampling": False})
+    out = _launch({"target": str(target), "draft": str(draft), "pipeline": False, "sampling": False, "calibrate": False})
     _check_lossless(out, "tensor parallel")
 
 

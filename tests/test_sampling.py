@@ -120,10 +120,10 @@ def test_loop_second_token_distribution(tiny_pair, params):
     second_given_first = np.array(probabilities(target(batch)[:, -1], params))
     expected = first @ second_given_first
 
-    # Through the engine (coupled sampling, the rule of DFlash drafters), a seed per run, 16 runs
+    # Through the engine (coupled sampling, the rule of DFlash drafters), a seed per run, 64 runs
     # decoded together.
     engine = Engine(DFlashModel(model.target, HalfKnowingDrafter(model.drafter, target, prompt)), block_size=4,
-                    max_rows=16)
+                    max_rows=64)
     runs = 1500
     uids = [engine.add(prompt, max_tokens=4, temp=params.temp, top_p=params.top_p, top_k=params.top_k,
                        min_p=params.min_p, seed=run) for run in range(runs)]
