@@ -2,7 +2,7 @@
 
     git worktree add /tmp/previous <commit>      # the release to compare with
     python benchmarks/bench_release.py --baseline /tmp/previous [--num-prompts 5] [--max-tokens 128]
-        [--system this this:chain] [--out benchmarks/results/release.json]
+        [--system this this:chain] [--drafter NAME=PATH] [--out benchmarks/results/release.json]
 
 The previous release's package is imported from ``--baseline`` under another name
 (``dflash_mlx_previous``; its modules import each other relatively), so both run on the same
@@ -13,7 +13,8 @@ all of them; every output is checked against mlx_lm's. Systems: ``previous`` (it
 ``stream_generate`` at the previous CLI default, block size auto), ``this`` (the defaults: block
 size auto, draft trees auto), ``this:chain`` (``tree_budget=0``), ``this:tN`` (trees of N
 proposals), ``this:B`` (a fixed block B), combined as ``this:chain:8``; ``previous:B`` (the previous
-release at a fixed block B). Reported per dataset: tokens/s, speedup over mlx_lm, tau
+release at a fixed block B); ``--drafter NAME=PATH`` adds systems ``NAME[:variants]``, this checkout
+with another drafter for the built-in target. Reported per dataset: tokens/s, speedup over mlx_lm, tau
 split into the target's token, accepted drafts and accepted copies per step, tree steps, the steps by
 verified rows (``blocks``: rows or tree nodes -> steps; 1 is a plain step), and this over previous.
 """
@@ -44,9 +45,10 @@ def import_previous(checkout: Path):
     return module
 
 
-def systems(previous, names: list[str], pair: tuple[str, str]) -> dict:
+def systems(previous, names: list[str], pair: tuple[str, str], drafters: dict[str, str]) -> dict:
     """name -> function(prompt ids, max_tokens) -> (Run, last response)."""
     model, tokenizer = dflash_mlx.load(*pair)
+    models = {"this": model} | {name: dflash_mlx.load(pair[0], path)[0] for name, path in drafters.items()}
     out = {"mlx_lm": lambda prompt, n: (plain_run(model.target.model, tokenizer, prompt, n, 0.0, 0), None)}
     if previous is not None:
         old_model, old_tokenizer = previous.load(*pair)
@@ -58,6 +60,8 @@ def systems(previous, names: list[str], pair: tuple[str, str]) -> dict:
             out[name] = lambda prompt, n, B=int(variants[0]): _timed(previous.stream_generate(
                 old_model, old_tokenizer, prompt, n, block_size=B))
             continue
+        if system not in models:
+            raise SystemExit(f"unknown system {name!r}: name this, previous or a --drafter NAME")
         kwargs = {"block_size": "auto", "tree_budget": "auto"}
         for variant in variants:
             if variant == "chain":
@@ -66,8 +70,8 @@ def systems(previous, names: list[str], pair: tuple[str, str]) -> dict:
                 kwargs["tree_budget"] = int(variant[1:])
             else:
                 kwargs["block_size"] = int(variant)
-        out[name] = lambda prompt, n, kwargs=kwargs: _timed(dflash_mlx.stream_generate(model, tokenizer, prompt, n,
-                                                                                       **kwargs))
+        out[name] = lambda prompt, n, m=models[system], kwargs=kwargs: _timed(dflash_mlx.stream_generate(
+            m, tokenizer, prompt, n, **kwargs))
     return out, tokenizer
 
 
@@ -78,11 +82,14 @@ def main() -> None:
     p.add_argument("--dataset", nargs="+", default=list(DATASETS))
     p.add_argument("--num-prompts", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--drafter", nargs="+", default=[], metavar="NAME=PATH",
+                   help="other drafters for the built-in target, run as systems NAME[:variants]")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    drafters = dict(d.split("=", 1) for d in args.drafter)
     print(f"BLAS: {dflash_mlx.BLAS}", flush=True)  # figures taken on the reference BLAS compare with nothing
     previous = import_previous(args.baseline) if args.baseline else None
-    runners, tokenizer = systems(previous, args.system, default_pair())
+    runners, tokenizer = systems(previous, args.system, default_pair(), drafters)
     names = list(runners)
     results = {}
     for dataset in args.dataset:
@@ -122,7 +129,7 @@ def main() -> None:
         print(dataset, json.dumps(row), flush=True)
         if args.out:  # after every dataset: a run stopped later keeps what it measured
             args.out.write_text(json.dumps({"max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
-                                            "baseline": str(args.baseline), "blas": dflash_mlx.BLAS,
+                                            "baseline": str(args.baseline), "drafters": drafters, "blas": dflash_mlx.BLAS,
                                             "results": results}, indent=1) + "\n")
 
 
