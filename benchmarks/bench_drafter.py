@@ -27,8 +27,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import dflash_mlx  # before mlx: it loads OpenBLAS
-from bench_long_context import build_prompts, fit, source_text
-from dflash_mlx import DFlashModel, stream_generate
+from bench_long_context import build_prompts, dflash_run, fit, source_text
+from dflash_mlx import DFlashModel
 from dflash_mlx.benchmark import _chat, load_dataset
 from dflash_mlx.default import default_pair
 from dflash_mlx.models import load_drafter
@@ -73,16 +73,12 @@ def main() -> None:
     for prompt in prompts(tokenizer, args.sets, args.lengths, args.num_prompts):
         outputs = {}
         for name, pair in pairs.items():
-            response = None
-            outputs[name] = [(response := r).token for r in stream_generate(
-                pair, tokenizer, prompt["ids"], prompt["max_tokens"], block_size=8, copy_proposals=False, tree_budget=0)]
-            steps = response.stats.acceptance_lengths
-            drafted = sum(steps) - len(steps)
-            groups[name, prompt["group"]][0] += drafted
-            groups[name, prompt["group"]][1] += len(steps)
+            run, stats = dflash_run(pair, tokenizer, prompt["ids"], prompt["max_tokens"], 8, "auto", False, 0)
+            outputs[name] = run.tokens
+            groups[name, prompt["group"]][0] += round(stats["drafted"] * stats["steps"])
+            groups[name, prompt["group"]][1] += stats["steps"]
             rows.append({"drafter": name, "set": prompt["set"], "name": prompt["name"], "group": prompt["group"],
-                         "prompt_tokens": len(prompt["ids"]), "steps": len(steps),
-                         "drafted_per_step": round(drafted / len(steps), 3)})
+                         "prompt_tokens": len(prompt["ids"]), "steps": stats["steps"], "drafted_per_step": stats["drafted"]})
             print(json.dumps(rows[-1]), flush=True)
         assert all(o == outputs[args.drafter[0]] for o in outputs.values()), f"{prompt['name']}: outputs differ"
     summary = {f"{d} | {g}": round(a / s, 3) for (d, g), (a, s) in groups.items()}
