@@ -386,6 +386,7 @@ def test_train_on_texts_alone(tiny_pair, tmp_path):
            "--eval-prompts", "0")
     result = json.loads((out / "train_result.json").read_text())
     assert result["answer_tokens"] == 0 and result["text_tokens"] > 6 * 3 and result["sequences"] == 6
+    assert isinstance(result["hidden_seconds"], float)  # the text passes are timed (data_seconds: the answers)
     assert load_drafter(str(out)).args.block_size == 8
     with pytest.raises(DFlashError, match="nothing to train on"):
         _train(tmp_path, target, tmp_path / "empty", 4, "--num-prompts", "0")

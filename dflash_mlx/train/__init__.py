@@ -404,10 +404,12 @@ def run(args: argparse.Namespace) -> None:
     target = Target(model, dargs.target_layer_ids)
     model.freeze()
     # Beside the checkpoint, in shards a rerun with more prompts extends.
+    tic = time.perf_counter()
     with tqdm(desc="target hidden states", unit="seq", dynamic_ncols=True) as bar:
         hidden, greedy = cached_hidden(out / "cache", target, seqs, progress=bar)
     with tqdm(desc="texts, teacher-forced", unit="text", dynamic_ncols=True, disable=not texts) as bar:
         text_hidden, text_greedy = cached_hidden(out / "cache", target, texts, progress=bar, texts=True)
+    hidden_seconds = time.perf_counter() - tic  # the target's passes over answers and texts (this run's)
     text_tokens = sum(len(t) for t, _ in texts)
     seqs, hidden, greedy = seqs + texts, hidden + text_hidden, greedy + text_greedy
     mx.eval(drafter.parameters())
@@ -460,7 +462,7 @@ def run(args: argparse.Namespace) -> None:
     train_seconds = time.perf_counter() - tic
 
     result = {"answer_tokens": num_tokens, "text_tokens": text_tokens, "sequences": len(seqs), "data_seconds": round(data_seconds, 1),
-              "train_seconds": round(train_seconds, 1), "final_loss": None if ema is None else round(float(ema[0]), 4),
+              "hidden_seconds": round(hidden_seconds, 1), "train_seconds": round(train_seconds, 1), "final_loss": None if ema is None else round(float(ema[0]), 4),
               "final_tau_proxy": None if ema is None else round(float(ema[2]), 3)}
     if eval_prompts:
         with tqdm(total=len(eval_prompts), desc="held-out tau", unit="prompt", dynamic_ncols=True) as bar:
