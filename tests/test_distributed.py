@@ -98,7 +98,7 @@ def rank_main(spec: dict) -> None:
         out[f"sampled{run}"] = dflash_tokens(oracle, 4, TEMP)[0]
     response = None
     # block size auto: calibration (its long context stretched on every rank, Driver.stretch) runs
-    # sharded; it costs a launch seconds, so the launches that do not ask for it skip it
+    # sharded; it costs a launch about 4 s, so two of the four launches skip it (spec "calibrate")
     block_size = "auto" if spec.get("calibrate", True) else 4
     for response in dflash_mlx.stream_generate(pair, tokenizer, PROMPT, 12, block_size=block_size, prefill_step_size=PREFILL_STEP):
         pass
