@@ -29,8 +29,10 @@ from collections import Counter
 from pathlib import Path
 
 import dflash_mlx  # before mlx: it loads OpenBLAS
+from dflash_mlx import DFlashModel
 from dflash_mlx.benchmark import DATASETS, _chat, _timed, load_dataset, plain_run
 from dflash_mlx.default import default_pair
+from dflash_mlx.models import load_drafter
 from side_by_side import rotated
 
 
@@ -48,7 +50,8 @@ def import_previous(checkout: Path):
 def systems(previous, names: list[str], pair: tuple[str, str], drafters: dict[str, str]) -> dict:
     """name -> function(prompt ids, max_tokens) -> (Run, last response)."""
     model, tokenizer = dflash_mlx.load(*pair)
-    models = {"this": model} | {name: dflash_mlx.load(pair[0], path)[0] for name, path in drafters.items()}
+    # other drafters share this target (loaded once)
+    models = {"this": model} | {name: DFlashModel(model.target, load_drafter(path)) for name, path in drafters.items()}
     out = {"mlx_lm": lambda prompt, n: (plain_run(model.target.model, tokenizer, prompt, n, 0.0, 0), None)}
     if previous is not None:
         old_model, old_tokenizer = previous.load(*pair)
