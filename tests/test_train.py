@@ -377,6 +377,12 @@ def test_texts_are_labelled_with_the_targets_greedy_continuation(tiny_pair, tmp_
     assert np.array(valid[0, a]).tolist() == [True, True] + [False] * (B - 3)
     assert got[0, a, 1].item() == nxt != text[departure]
 
+    # The draft vocabulary holds what the drafter is asked for, the target's tokens, not the text's.
+    asked = set(g[:-1].tolist())
+    assert asked != set(text[1:].tolist())
+    vocab = data.draft_vocabulary([(text, 1)], len(asked), logits.shape[-1], labels)
+    assert set(np.array(vocab).tolist()) == asked
+
 
 def test_train_on_texts_alone(tiny_pair, tmp_path):
     """``--texts`` with no prompts: the drafter learns from the target's greedy tokens over the texts."""

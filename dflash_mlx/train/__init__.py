@@ -294,8 +294,9 @@ def trained_drafter(args: argparse.Namespace, model: nn.Module) -> Drafter:
     return drafter
 
 
-def new_drafter(args: argparse.Namespace, model: nn.Module, tokenizer, seqs: list) -> Drafter:
-    """``--init target`` or ``--init random``: a drafter shaped by the flags and the target."""
+def new_drafter(args: argparse.Namespace, model: nn.Module, tokenizer) -> Drafter:
+    """``--init target`` or ``--init random``: a drafter shaped by the flags and the target (its draft
+    vocabulary is chosen once the target's labels are known)."""
     mask_id = default_mask_token(tokenizer) if args.mask_token_id is None else args.mask_token_id
     dargs = make_drafter_args(Target(model, []), num_layers=args.num_layers or 1, block_size=args.block_size or 16,
                               target_layer_ids=args.target_layer_ids, mask_token_id=mask_id,
@@ -303,8 +304,6 @@ def new_drafter(args: argparse.Namespace, model: nn.Module, tokenizer, seqs: lis
     if args.draft_vocab_size:
         dargs.draft_vocab_size = min(args.draft_vocab_size, dargs.vocab_size)
     drafter = Drafter(dargs)
-    if dargs.draft_vocab_size:
-        drafter.draft_vocab = draft_vocabulary(seqs, dargs.draft_vocab_size, dargs.vocab_size)
     if args.init == "target":
         init_from_target(drafter, Target(model, dargs.target_layer_ids))
     return drafter
@@ -393,7 +392,7 @@ def run(args: argparse.Namespace) -> None:
     texts = [(t, a) for t, a in texts if len(t) >= 3]  # an anchor needs a token before it and one after
     if not seqs and not texts:
         raise DFlashError("nothing to train on: give --num-prompts answers or --texts with --num-texts")
-    drafter = trained or new_drafter(args, model, tokenizer, seqs + texts)
+    drafter = trained or new_drafter(args, model, tokenizer)
     # The answers it learns from are also the corpus it copies from (copying.py).
     earlier = drafter.corpus.tokens if drafter.corpus is not None else []
     drafter.corpus = corpus_index(earlier + [t for r in records for t in r["response_ids"]])
@@ -412,6 +411,8 @@ def run(args: argparse.Namespace) -> None:
     hidden_seconds = time.perf_counter() - tic  # the target's passes over answers and texts (this run's)
     text_tokens = sum(len(t) for t, _ in texts)
     seqs, hidden, greedy = seqs + texts, hidden + text_hidden, greedy + text_greedy
+    if trained is None and dargs.draft_vocab_size:
+        drafter.draft_vocab = draft_vocabulary(seqs, dargs.draft_vocab_size, dargs.vocab_size, greedy)
     mx.eval(drafter.parameters())
     warmup = max(1, int(args.warmup * args.steps))
     schedule = optim.join_schedules(

@@ -472,10 +472,14 @@ def make_batch(
             mx.array(valid & valid_anchor[..., None]))
 
 
-def draft_vocabulary(seqs: list[tuple[np.ndarray, int]], size: int, vocab_size: int) -> mx.array:
-    """The ``size`` token ids most frequent in the answers (ties: lower id), ascending."""
+def draft_vocabulary(seqs: list[tuple[np.ndarray, int]], size: int, vocab_size: int,
+                     greedy: list[np.ndarray | None] | None = None) -> mx.array:
+    """The ``size`` ids the target writes most often in the training labels (ties: lower id),
+    ascending: an answer's own tokens, and for a text (``greedy``) the target's greedy token after
+    each of its positions, not the text's tokens, which the drafter is never asked for."""
     counts = np.zeros(vocab_size, np.int64)
-    for tokens, answer in seqs:
-        np.add.at(counts, tokens[answer:], 1)
+    for i, (tokens, answer) in enumerate(seqs):
+        after = tokens[1:] if greedy is None or greedy[i] is None else greedy[i][:-1]  # as make_batch labels
+        np.add.at(counts, after[answer - 1 :], 1)
     top = np.lexsort((np.arange(vocab_size), -counts))[:size]
     return mx.array(np.sort(top).astype(np.int32))
