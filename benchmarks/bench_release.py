@@ -47,6 +47,13 @@ def import_previous(checkout: Path):
     return module
 
 
+def named_path(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not (name and sep and path):
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=PATH, e.g. retrained=runs/drafter")
+    return name, path
+
+
 def systems(previous, names: list[str], pair: tuple[str, str], drafters: dict[str, str]) -> dict:
     """name -> function(prompt ids, max_tokens) -> (Run, last response)."""
     model, tokenizer = dflash_mlx.load(*pair)
@@ -85,11 +92,11 @@ def main() -> None:
     p.add_argument("--dataset", nargs="+", default=list(DATASETS))
     p.add_argument("--num-prompts", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--drafter", nargs="+", default=[], metavar="NAME=PATH",
+    p.add_argument("--drafter", nargs="+", default=[], metavar="NAME=PATH", type=named_path,
                    help="other drafters for the built-in target, run as systems NAME[:variants]")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    drafters = dict(d.split("=", 1) for d in args.drafter)
+    drafters = dict(args.drafter)
     print(f"BLAS: {dflash_mlx.BLAS}", flush=True)  # figures taken on the reference BLAS compare with nothing
     previous = import_previous(args.baseline) if args.baseline else None
     runners, tokenizer = systems(previous, args.system, default_pair(), drafters)
