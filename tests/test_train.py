@@ -389,9 +389,15 @@ def test_train_on_texts_alone(tiny_pair, tmp_path):
     target, _ = tiny_pair("qwen3")
     out = tmp_path / "drafter"
     _train(tmp_path, target, out, 4, "--num-prompts", "0", "--texts", str(tmp_path / "prompts.txt"), "--num-texts", "6",
-           "--eval-prompts", "0")
+           "--eval-prompts", "0", "--draft-vocab-size", "8")
     result = json.loads((out / "train_result.json").read_text())
     assert result["answer_tokens"] == 0 and result["text_tokens"] > 6 * 3 and result["sequences"] == 6
+    # Its draft vocabulary: the ids the target wrote most often over the texts (cached with their passes).
+    greedy = [v for shard in (out / "cache").glob("hidden-*.safetensors") for k, v in mx.load(str(shard)).items()
+              if k.endswith(".greedy")]
+    counts = np.bincount(np.concatenate([np.array(g)[:-1] for g in greedy]))
+    assert len(greedy) == 6
+    assert np.array(load_drafter(str(out)).draft_vocab).tolist() == sorted(np.lexsort((np.arange(len(counts)), -counts))[:8])
     assert isinstance(result["hidden_seconds"], float)  # the text passes are timed (data_seconds: the answers)
     assert load_drafter(str(out)).args.block_size == 8
     with pytest.raises(DFlashError, match="nothing to train on"):
