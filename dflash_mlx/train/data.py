@@ -419,6 +419,12 @@ def cached_hidden(folder: Path, target: Target, seqs: list[tuple[np.ndarray, int
     return [cache[k] for k in keys], [np.array(cache[k + ".greedy"]) if texts else None for k in keys]
 
 
+def _next_tokens(tokens: np.ndarray, greedy: np.ndarray | None) -> np.ndarray:
+    """The token the target writes after each position but the last: an answer's own next token,
+    or for a text (``greedy`` from ``teacher_forced``) the target's greedy one."""
+    return tokens[1:] if greedy is None else greedy[:-1]
+
+
 def make_batch(
     seqs: list[tuple[np.ndarray, int]],
     hidden: list[mx.array],
@@ -445,7 +451,7 @@ def make_batch(
     spans = []  # (tail start, tail end) of each sequence's context rows
     for row, i in enumerate(idx):
         tokens, answer = seqs[i]
-        after = tokens[1:] if greedy is None or greedy[i] is None else greedy[i][:-1]  # the target's next token
+        after = _next_tokens(tokens, None if greedy is None else greedy[i])
         padded = np.concatenate([after, np.zeros(B, np.int32)])
         follows = np.concatenate([tokens[1:] == after, np.zeros(B, bool)])  # the text is the target's own
         # Anchors are answer tokens with at least one token after them, as at inference.
@@ -479,7 +485,7 @@ def draft_vocabulary(seqs: list[tuple[np.ndarray, int]], size: int, vocab_size: 
     each of its positions, not the text's tokens, which the drafter is never asked for."""
     counts = np.zeros(vocab_size, np.int64)
     for i, (tokens, answer) in enumerate(seqs):
-        after = tokens[1:] if greedy is None or greedy[i] is None else greedy[i][:-1]  # as make_batch labels
+        after = _next_tokens(tokens, None if greedy is None else greedy[i])
         np.add.at(counts, after[answer - 1 :], 1)
     top = np.lexsort((np.arange(vocab_size), -counts))[:size]
     return mx.array(np.sort(top).astype(np.int32))
