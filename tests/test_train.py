@@ -397,9 +397,10 @@ def test_train_on_texts_alone(tiny_pair, tmp_path):
               if k.endswith(".greedy")]
     counts = np.bincount(np.concatenate([np.array(g)[:-1] for g in greedy]))
     assert len(greedy) == 6
-    assert np.array(load_drafter(str(out)).draft_vocab).tolist() == sorted(np.lexsort((np.arange(len(counts)), -counts))[:8])
+    drafter = load_drafter(str(out))
+    assert np.array(drafter.draft_vocab).tolist() == sorted(np.lexsort((np.arange(len(counts)), -counts))[:8])
     assert isinstance(result["hidden_seconds"], float)  # the text passes are timed (data_seconds: the answers)
-    assert load_drafter(str(out)).args.block_size == 8
+    assert drafter.args.block_size == 8
     with pytest.raises(DFlashError, match="nothing to train on"):
         _train(tmp_path, target, tmp_path / "empty", 4, "--num-prompts", "0")
     with pytest.raises(DFlashError, match="go together"):  # not silently no texts
