@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         code = 1
     except KeyboardInterrupt:
         code = 130
-    if control := sys.modules.get("dflash_mlx.control"):  # imported only by a sharded run
+    if control := sys.modules.get("dflash_mlx.distributed.control"):  # imported only by a sharded run
         control.end_process(code)
     if code:
         sys.exit(code)

@@ -97,3 +97,19 @@ def test_import_and_help_do_not_load_mlx():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_modules_looked_up_by_name_exist():
+    """A module found through ``sys.modules.get("dflash_mlx...")`` (to act on it only if something
+    imported it) is named by a string no import checks: a move that forgets it fails here."""
+    files = {_module(p) for p in PACKAGE.rglob("*.py")}
+    looked_up = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and ast.unparse(node.func.value) == "sys.modules" and isinstance(node.args[0], ast.Constant)
+                    and node.args[0].value.startswith("dflash_mlx.")):
+                looked_up.append(node.args[0].value)
+    assert looked_up  # the CLI's lookup of the control channel, at least
+    for name in looked_up:
+        assert name.removeprefix("dflash_mlx.") in files, name
