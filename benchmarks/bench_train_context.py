@@ -24,7 +24,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from dflash_mlx.default import default_pair
-from dflash_mlx.train import block_tokens, label_columns, loss_fn
+from dflash_mlx.train import block_tokens, label_columns, label_weights, loss_fn
 from dflash_mlx.train.data import make_batch
 
 
@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> None:
                 tic = time.perf_counter()
                 context, tail, first, anchors, labels, valid = make_batch(seqs, hidden, list(range(len(seqs))),
                                                                           np.random.default_rng(r), args.anchors, B, win)
+                norm = label_weights(weights, valid, columns[labels]).sum()
                 (loss, _), grads = grad_fn(context, tail, block_tokens(first, B, drafter.args.mask_token_id), anchors,
-                                           columns[labels], valid)
+                                           columns[labels], valid, norm)
                 optimizer.update(drafter, grads)
                 mx.eval(loss, drafter.parameters(), optimizer.state)
                 best = min(best, time.perf_counter() - tic)

@@ -295,16 +295,87 @@ def test_serve_on_rank_0(tiny_pair, tmp_path):
             r.wait()
 
 
+def test_two_ranks_train_the_weights_one_process_trains(tiny_pair, tmp_path):
+    """``mlx.launch -n 2 -- dflash-mlx train``: each rank trains on half of every batch and the ranks
+    average their gradients, so the drafter equals the one a single process trains on whole
+    batches; rank 0 alone generates the answers, shows progress and writes, and both ranks end."""
+    import mlx.core as mx
+    import numpy as np
+
+    target, _ = tiny_pair("qwen3")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"{w} {i}" for i, w in enumerate(["abc", "hello", "xyz", "def"] * 6)))
+
+    def train(out: Path, *launch: str) -> subprocess.CompletedProcess:
+        argv = ["-m", "dflash_mlx", "train", "--model", str(target), "--out", str(out), "--prompts", str(prompts),
+                "--num-prompts", "24", "--eval-prompts", "0", "--max-response-tokens", "32", "--block-size", "4",
+                "--steps", "12", "--batch-seqs", "4", "--anchors", "8", "--lr", "3e-3", "--seed", "0"]
+        done = subprocess.run([*launch, sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=HERE,
+                              env=_rank_env())
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        return done
+
+    train(tmp_path / "one")
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    done = train(tmp_path / "two", launcher, "-n", "2", "--backend", "ring", "-p", str(_free_ports()), "--")
+    assert done.stdout.count("drafter written to") == 1, done.stdout  # rank 0 alone reports
+    assert json.loads((tmp_path / "two" / "train_result.json").read_text())["ranks"] == 2
+    assert (tmp_path / "one" / "data.jsonl").read_text() == (tmp_path / "two" / "data.jsonl").read_text()
+    one, two = (mx.load(str(tmp_path / run / "model.safetensors")) for run in ("one", "two"))
+    assert one.keys() == two.keys()
+    for name in one:
+        assert np.allclose(np.array(one[name]), np.array(two[name]), atol=2e-5), name
+
+
+def test_a_rank_that_cannot_see_rank_0s_data_stops_the_run(tiny_pair, tmp_path):
+    """Ranks on machines without a shared --out: rank 1 says so in one line, and both end."""
+    target, _ = tiny_pair("qwen3")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("abc\nhello\n")
+
+    def argv(out: str) -> list[str]:
+        return ["-m", "dflash_mlx", "train", "--model", str(target), "--out", str(tmp_path / out), "--prompts",
+                str(prompts), "--num-prompts", "2", "--eval-prompts", "0", "--max-response-tokens", "8", "--steps", "2"]
+
+    ranks = _start_ranks(tmp_path, argv("rank0"), argv("rank1"))
+    try:
+        codes = [r.wait(timeout=120) for r in ranks]
+        errors = [r.stderr.read() for r in ranks]
+    finally:
+        for r in ranks:
+            r.kill()
+            r.wait()
+    assert codes[0] != 0 and codes[1] == 1, (codes, errors)
+    assert errors[1].strip().splitlines() == [
+        f"dflash-mlx train: error (rank 1): rank 1 does not see {tmp_path / 'rank1' / 'data.jsonl'}, which rank 0 wrote: "
+        "give every rank the same --out, on one machine or a shared disk"], errors[1]
+    assert not (tmp_path / "rank1" / "data.jsonl").exists()
+
+
+def test_ranks_split_each_batch_into_disjoint_shares():
+    import mlx.core as mx
+
+    from dflash_mlx.train.ranks import share
+
+    batch = (mx.arange(24).reshape(4, 6), mx.arange(4))
+    shares = [share(batch, rank, 2) for rank in range(2)]
+    for whole, first, second in zip(batch, *shares):
+        assert first.shape[0] == second.shape[0] == 2
+        assert mx.array_equal(mx.concatenate([first, second]), whole)
+
+
 # ---- faults ---------------------------------------------------------------------------------
 
 
-def _start_ranks(folder: Path, argv: list[str]) -> list[subprocess.Popen]:
-    """Two ranks of ``python argv`` started as mlx.launch starts them locally, without the launcher."""
+def _start_ranks(folder: Path, argv: list[str], rank1_argv: list[str] | None = None) -> list[subprocess.Popen]:
+    """Two ranks of ``python argv`` started as mlx.launch starts them locally, without the launcher
+    (rank 1 runs ``rank1_argv`` if given)."""
     port = _free_ports()
     hostfile = folder / f"hosts-{port}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     return [
-        subprocess.Popen([sys.executable, *argv], cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        subprocess.Popen([sys.executable, *(rank1_argv if rank and rank1_argv else argv)], cwd=HERE, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env=_rank_env(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile)))
         for rank in range(2)
     ]

@@ -24,6 +24,8 @@ Progress shows the loss, top-1 accuracy at block positions, and ``tau~``: the
 acceptance length greedy verification would give on the same blocks
 (1 + the number of leading correct positions), a cheap proxy of the real tau
 that the held-out evaluation at the end measures with ``stream_generate``.
+
+Under ``mlx.launch`` the ranks split every batch and average their gradients (``ranks``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..copying import corpus_index
 from .data import cached_hidden, draft_vocabulary, generate_responses, load_prompts, make_batch, prompt_ids, sequences
+from .ranks import Ranks
 from ..models import Attention, Drafter, DrafterArgs, default_target_layer_ids, load_drafter, save_drafter
 from ..errors import DFlashError
 from ..flags import draft_window_arg
@@ -140,13 +143,18 @@ def training_hidden(
     return drafter.norm(h)[:, :, 1:]
 
 
-def loss_fn(drafter, target, head, context, tail_start, block_tokens, anchors, columns, valid, weights, window):
-    """``columns``: each label's column in ``head`` (-1: not in the draft vocabulary,
-    so unpredictable: no loss, and counted as a miss)."""
+def label_weights(weights: mx.array, valid: mx.array, columns: mx.array) -> mx.array:
+    """Each label's loss weight: its position's ``weights``, zero where invalid or, ``columns``
+    -1, not in the draft vocabulary (unpredictable: no loss, and counted as a miss)."""
+    return weights * (valid & (columns >= 0))
+
+
+def loss_fn(drafter, target, head, context, tail_start, block_tokens, anchors, columns, valid, norm, weights, window):
+    """The weighted cross-entropy of these rows over ``norm`` (the batch's weight sum; see ``ranks``)."""
     h = training_hidden(drafter, context, target.embed(block_tokens), anchors, window, tail_start)
     logits = head(h)
-    w = weights * (valid & (columns >= 0))
-    loss = (nn.losses.cross_entropy(logits, mx.maximum(columns, 0)) * w).sum() / w.sum()
+    w = label_weights(weights, valid, columns)
+    loss = (nn.losses.cross_entropy(logits, mx.maximum(columns, 0)) * w).sum() / norm
     return loss, logits.argmax(-1) == columns
 
 
@@ -364,6 +372,7 @@ def run(args: argparse.Namespace) -> None:
         raise DFlashError(f"--block-size {args.block_size} leaves nothing to draft: use 2 or more")
     if bool(args.texts) != bool(args.num_texts):
         raise DFlashError("--texts and --num-texts go together: give the sources and how many texts to read")
+    ranks = Ranks(args.batch_seqs)
     model_path = args.model
     if model_path is None:
         from ..default import default_target
@@ -374,41 +383,43 @@ def run(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)  # only once the target loaded: no empty folder on a bad --model
     mx.random.seed(args.seed)
 
-    prompts = load_prompts(args.prompts, args.skip_prompts + args.num_prompts + args.eval_prompts, args.seed)
-    prompts = prompts[args.skip_prompts :]
-    train_prompts, eval_prompts = prompts[: args.num_prompts], prompts[args.num_prompts :]
-    tic = time.perf_counter()
-    with tqdm(desc="target answers", unit="prompt", dynamic_ncols=True) as bar:
-        records = generate_responses(model, tokenizer, train_prompts, out / "data.jsonl",
-                                     max_tokens=args.max_response_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                                     batch_size=args.gen_batch_size, progress=bar)
-    records = [r for r in records if r["id"] < len(train_prompts)]
-    data_seconds = time.perf_counter() - tic
+    quiet = ranks.rank > 0  # rank 0 alone shows progress and writes to --out
+    with ranks.rank0_first(out / "data.jsonl"):  # rank 0 makes the data; the other ranks then read it
+        prompts = load_prompts(args.prompts, args.skip_prompts + args.num_prompts + args.eval_prompts, args.seed)
+        prompts = prompts[args.skip_prompts :]
+        train_prompts, eval_prompts = prompts[: args.num_prompts], prompts[args.num_prompts :]
+        tic = time.perf_counter()
+        with tqdm(desc="target answers", unit="prompt", dynamic_ncols=True, disable=quiet) as bar:
+            records = generate_responses(model, tokenizer, train_prompts, out / "data.jsonl",
+                                         max_tokens=args.max_response_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                                         batch_size=args.gen_batch_size, progress=bar)
+        records = [r for r in records if r["id"] < len(train_prompts)]
+        data_seconds = time.perf_counter() - tic
 
-    seqs = sequences(records, tokenizer.eos_token_id, args.max_response_tokens)
-    num_tokens = sum(len(t) - a for t, a in seqs)
-    texts = [(np.array(prompt_ids(tokenizer, t)[: args.max_text_tokens], np.int32), 1)
-             for t in load_prompts(args.texts, args.num_texts, args.seed)]
-    texts = [(t, a) for t, a in texts if len(t) >= 3]  # an anchor needs a token before it and one after
-    if not seqs and not texts:
-        raise DFlashError("nothing to train on: give --num-prompts answers or --texts with --num-texts")
-    drafter = trained or new_drafter(args, model, tokenizer)
-    # The answers it learns from are also the corpus it copies from (copying.py).
-    earlier = drafter.corpus.tokens if drafter.corpus is not None else []
-    drafter.corpus = corpus_index(earlier + [t for r in records for t in r["response_ids"]])
-    dargs = drafter.args
-    # Blocks see the context through the window the drafter reads at inference; the checkpoint records it.
-    window = args.draft_window or (tuple(dargs.draft_window) if dargs.draft_window else None)
-    dargs.draft_window = list(window) if window else None
-    target = Target(model, dargs.target_layer_ids)
-    model.freeze()
-    # Beside the checkpoint, in shards a rerun with more prompts extends.
-    tic = time.perf_counter()
-    with tqdm(desc="target hidden states", unit="seq", dynamic_ncols=True) as bar:
-        hidden, greedy = cached_hidden(out / "cache", target, seqs, progress=bar)
-    with tqdm(desc="texts, teacher-forced", unit="text", dynamic_ncols=True, disable=not texts) as bar:
-        text_hidden, text_greedy = cached_hidden(out / "cache", target, texts, progress=bar, texts=True)
-    hidden_seconds = time.perf_counter() - tic  # the target's passes over answers and texts (this run's)
+        seqs = sequences(records, tokenizer.eos_token_id, args.max_response_tokens)
+        num_tokens = sum(len(t) - a for t, a in seqs)
+        texts = [(np.array(prompt_ids(tokenizer, t)[: args.max_text_tokens], np.int32), 1)
+                 for t in load_prompts(args.texts, args.num_texts, args.seed)]
+        texts = [(t, a) for t, a in texts if len(t) >= 3]  # an anchor needs a token before it and one after
+        if not seqs and not texts:
+            raise DFlashError("nothing to train on: give --num-prompts answers or --texts with --num-texts")
+        drafter = trained or new_drafter(args, model, tokenizer)
+        # The answers it learns from are also the corpus it copies from (copying.py).
+        earlier = drafter.corpus.tokens if drafter.corpus is not None else []
+        drafter.corpus = corpus_index(earlier + [t for r in records for t in r["response_ids"]])
+        dargs = drafter.args
+        # Blocks see the context through the window the drafter reads at inference; the checkpoint records it.
+        window = args.draft_window or (tuple(dargs.draft_window) if dargs.draft_window else None)
+        dargs.draft_window = list(window) if window else None
+        target = Target(model, dargs.target_layer_ids)
+        model.freeze()
+        # Beside the checkpoint, in shards a rerun with more prompts extends.
+        tic = time.perf_counter()
+        with tqdm(desc="target hidden states", unit="seq", dynamic_ncols=True, disable=quiet) as bar:
+            hidden, greedy = cached_hidden(out / "cache", target, seqs, progress=bar)
+        with tqdm(desc="texts, teacher-forced", unit="text", dynamic_ncols=True, disable=quiet or not texts) as bar:
+            text_hidden, text_greedy = cached_hidden(out / "cache", target, texts, progress=bar, texts=True)
+        hidden_seconds = time.perf_counter() - tic  # the target's passes over answers and texts (this run's)
     text_tokens = sum(len(t) for t, _ in texts)
     seqs, hidden, greedy = seqs + texts, hidden + text_hidden, greedy + text_greedy
     if trained is None and dargs.draft_vocab_size:
@@ -422,6 +433,7 @@ def run(args: argparse.Namespace) -> None:
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=args.weight_decay)
     train_config = {k: v for k, v in vars(args).items() if k not in ("func", "resume")}
     step = load_checkpoint(out, drafter, optimizer) if args.resume and (out / "trainer_state.json").exists() else 0
+    ranks.broadcast(drafter)
 
     B = dargs.block_size
     gamma = args.gamma or default_gamma(B)
@@ -430,12 +442,14 @@ def run(args: argparse.Namespace) -> None:
     grad_fn = nn.value_and_grad(drafter, lambda *a: loss_fn(drafter, target, head, *a, weights, window))
 
     def train_step(batch):
-        context, tail_start, first, anchors, labels, valid = batch
+        """One update from the whole batch; this rank computes its rows' part (``ranks``)."""
+        norm = label_weights(weights, batch[-1], columns[batch[-2]]).sum() / ranks.size
+        context, tail_start, first, anchors, labels, valid = ranks.rows(batch)
         (loss, correct), grads = grad_fn(context, tail_start, block_tokens(first, B, dargs.mask_token_id), anchors,
-                                         columns[labels], valid)
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
+                                         columns[labels], valid, norm)
+        grads, _ = optim.clip_grad_norm(ranks.average(grads), 1.0)
         optimizer.update(drafter, grads)
-        return loss, correct
+        return ranks.mean(loss), ranks.gather(correct)
 
     # Sequences of similar length share a batch (less padding); the batch order of
     # each epoch and each step's anchors come from (seed, epoch) / (seed, step), so a
@@ -444,7 +458,7 @@ def run(args: argparse.Namespace) -> None:
     batches = [by_length[i : i + args.batch_seqs] for i in range(0, len(by_length), args.batch_seqs)]
     tic = time.perf_counter()
     ema = None
-    with tqdm(total=args.steps, initial=step, desc="train", unit="step", dynamic_ncols=True) as bar:
+    with tqdm(total=args.steps, initial=step, desc="train", unit="step", dynamic_ncols=True, disable=quiet) as bar:
         while step < args.steps:
             epoch, k = divmod(step, len(batches))
             order = np.random.default_rng([args.seed, epoch]).permutation(len(batches))
@@ -458,13 +472,15 @@ def run(args: argparse.Namespace) -> None:
             ema = now if ema is None else 0.9 * ema + 0.1 * now
             bar.set_postfix(loss=f"{ema[0]:.3f}", acc=f"{ema[1]:.3f}", tau=f"{ema[2]:.2f}", lr=f"{schedule(step).item():.1e}")
             bar.update(1)
-            if step % args.save_every == 0 or step == args.steps:
+            if not quiet and (step % args.save_every == 0 or step == args.steps):
                 save_checkpoint(out, drafter, optimizer, step, train_config)
     train_seconds = time.perf_counter() - tic
+    if ranks.rank:
+        ranks.follow()
 
     result = {"answer_tokens": num_tokens, "text_tokens": text_tokens, "sequences": len(seqs), "data_seconds": round(data_seconds, 1),
               "hidden_seconds": round(hidden_seconds, 1), "train_seconds": round(train_seconds, 1), "final_loss": None if ema is None else round(float(ema[0]), 4),
-              "final_tau_proxy": None if ema is None else round(float(ema[2]), 3)}
+              "final_tau_proxy": None if ema is None else round(float(ema[2]), 3), "ranks": ranks.size}
     if eval_prompts:
         with tqdm(total=len(eval_prompts), desc="held-out tau", unit="prompt", dynamic_ncols=True) as bar:
             result["held_out"] = evaluate_tau(target, drafter, tokenizer, eval_prompts, args.eval_max_tokens, bar, window)
