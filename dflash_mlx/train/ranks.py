@@ -71,6 +71,7 @@ class Ranks:
         if self.size > 1:
             model.update(tree_map(lambda p: mx.distributed.all_sum(p if self.rank == 0 else mx.zeros_like(p), group=self.group),
                                   model.trainable_parameters()))
+            mx.eval(model.parameters())  # here, so that the ranks start training together
 
     def average(self, grads):
         return nn.average_gradients(grads, group=self.group)
