@@ -1,10 +1,11 @@
-"""The control channel of a sharded run: rank 0's orders to the other ranks, heartbeats, the watchdog.
+"""The control channel of a run over several ranks: rank 0's orders to the others, heartbeats, the watchdog.
 
 Rank 0 listens on a TCP port, announced to the others with one all_sum at start, and
-every other rank connects to it (a star). Rank 0 sends each target operation down these
-connections before running its own share of it. The other ranks block on a socket read
-between operations, so an idle server costs them no CPU: a rank waiting inside an MLX
-ring collective spins.
+every other rank connects to it (a star). For a sharded target rank 0 sends each target
+operation down these connections before running its own share of it; data-parallel
+training (``train/ranks.py``) uses it to hold the other ranks while rank 0 prepares the data.
+The other ranks block on a socket read between orders, so an idle server costs them no
+CPU: a rank waiting inside an MLX ring collective spins.
 
 Faults. MLX's ring collectives fail within milliseconds when a peer's socket closes (a
 killed rank), but block forever on a peer that stops answering (suspended, hung,
