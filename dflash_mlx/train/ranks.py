@@ -73,7 +73,7 @@ class Ranks:
                                   model.trainable_parameters()))
             mx.eval(model.parameters())  # here, so that the ranks start training together
 
-    def average(self, grads):
+    def average(self, grads: dict) -> dict:
         return nn.average_gradients(grads, group=self.group)
 
     def mean(self, x: mx.array) -> mx.array:
