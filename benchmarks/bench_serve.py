@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,16 +45,10 @@ from pathlib import Path
 import dflash_mlx  # its BLAS is the servers' BLAS: they run this Python with the same libraries
 from dflash_mlx.benchmark import load_dataset
 from dflash_mlx.default import default_pair
-from side_by_side import rotated
+from side_by_side import free_port, rotated
 
 MLX_LM_SERVER = "import dflash_mlx, sys; from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()"
 SYSTEMS = ("batched", "chains", "serial", "previous", "mlx_lm")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(name: str, argv: list[str], env: dict | None = None) -> tuple[subprocess.Popen, int]:

@@ -16,17 +16,12 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from side_by_side import free_port
 
 
 def trial(data: Path, folder: Path, flags: list[str], steps: int, ranks: int) -> float:
@@ -40,9 +35,8 @@ def trial(data: Path, folder: Path, flags: list[str], steps: int, ranks: int) ->
             "--eval-prompts", "0"]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     if ranks > 1:
-        port = free_port()
         hostfile = folder / "hosts.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{port + r}"] for r in range(ranks)]))
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(ranks)]))
         env["MLX_HOSTFILE"] = str(hostfile)
     runs = [subprocess.Popen(argv, env=dict(env, MLX_RANK=str(r)) if ranks > 1 else env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True) for r in reversed(range(ranks))]

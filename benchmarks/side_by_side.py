@@ -2,18 +2,26 @@
 
 For every prompt each system runs once, in an order rotated from prompt to prompt, so a busy spell
 of this shared machine falls on all of them; every output is checked against mlx_lm's (the first
-system).
+system). Also ``free_port``, for the processes benchmarks start beside each other (servers, ranks).
 """
 
 from __future__ import annotations
 
 import json
+import socket
 
 import dflash_mlx  # noqa: F401  (before mlx: it loads OpenBLAS)
 from dflash_mlx.benchmark import DATASETS, _chat, _timed, load_dataset, plain_run
 from dflash_mlx.generation import stream_generate
 
 MAX_TOKENS = 128
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rotated(items: list, shift: int) -> list:
