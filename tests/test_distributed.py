@@ -304,11 +304,12 @@ def test_two_ranks_train_the_weights_one_process_trains(tiny_pair, tmp_path):
 
     target, _ = tiny_pair("qwen3")
     prompts = tmp_path / "prompts.txt"
+    # 23 answers in batches of 4: each epoch ends on a batch of 3, which two ranks split unevenly.
     prompts.write_text("\n".join(f"{w} {i}" for i, w in enumerate(["abc", "hello", "xyz", "def"] * 6)))
 
     def train(out: Path, *launch: str) -> subprocess.CompletedProcess:
         argv = ["-m", "dflash_mlx", "train", "--model", str(target), "--out", str(out), "--prompts", str(prompts),
-                "--num-prompts", "24", "--eval-prompts", "0", "--max-response-tokens", "32", "--block-size", "4",
+                "--num-prompts", "23", "--eval-prompts", "0", "--max-response-tokens", "32", "--block-size", "4",
                 "--steps", "12", "--batch-seqs", "4", "--anchors", "8", "--lr", "3e-3", "--seed", "0"]
         done = subprocess.run([*launch, sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=HERE,
                               env=_rank_env())
@@ -357,11 +358,26 @@ def test_ranks_split_each_batch_into_disjoint_shares():
 
     from dflash_mlx.train.ranks import share
 
-    batch = (mx.arange(24).reshape(4, 6), mx.arange(4))
+    batch = (mx.arange(24).reshape(4, 6), mx.arange(4) > 0)
     shares = [share(batch, rank, 2) for rank in range(2)]
     for whole, first, second in zip(batch, *shares):
         assert first.shape[0] == second.shape[0] == 2
         assert mx.array_equal(mx.concatenate([first, second]), whole)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_short_batch_is_padded_with_rows_that_carry_no_labels(rows):
+    """An epoch's last batch, fewer rows than split evenly: no row is dropped, no rank is left empty."""
+    import mlx.core as mx
+
+    from dflash_mlx.train.ranks import share
+
+    batch = (mx.arange(rows * 6).reshape(rows, 6), mx.ones((rows, 2), mx.bool_))
+    shares = [share(batch, rank, 2) for rank in range(2)]
+    assert all(part.shape[0] == shares[0][0].shape[0] > 0 for ranked in shares for part in ranked)
+    gathered = [mx.concatenate(parts) for parts in zip(*shares)]
+    assert mx.array_equal(gathered[0][:rows], batch[0]) and mx.array_equal(gathered[1][:rows], batch[1])
+    assert not gathered[1][rows:].any()  # the padding has no labels
 
 
 # ---- faults ---------------------------------------------------------------------------------

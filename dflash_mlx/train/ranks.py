@@ -30,8 +30,19 @@ from ..errors import DFlashError
 
 
 def share(batch: tuple[mx.array, ...], rank: int, size: int) -> tuple[mx.array, ...]:
-    """Rank ``rank``'s contiguous share of the batch rows (``all_gather`` puts the shares back in order)."""
-    rows = batch[0].shape[0] // size
+    """Rank ``rank``'s contiguous share of the batch rows (``all_gather`` puts the shares back in order).
+
+    An epoch's last batch may hold fewer rows than the ranks can split evenly (or fewer rows than
+    ranks): it is padded with copies of its first row whose label mask (the batch's last array) is
+    all false, so every rank runs a share of the same shape and the padding adds nothing to the
+    loss or the gradients. The gathered rows then end with the padding.
+    """
+    n = batch[0].shape[0]
+    rows = -(-n // size)
+    if rows * size > n:
+        pad = [mx.repeat(x[:1], rows * size - n, axis=0) for x in batch]
+        pad[-1] = mx.zeros_like(pad[-1])
+        batch = tuple(mx.concatenate([x, p]) for x, p in zip(batch, pad))
     return tuple(x[rank * rows : (rank + 1) * rows] for x in batch)
 
 
