@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How the shipped default drafter (dflash_mlx/default_drafter/) was made, and how it was benchmarked.
 # One seeded training command; the target's answers are regenerated greedily by the target itself
-# (2 h on a 2-core x86 CPU): benchmarks/data/smollm2_answers.jsonl.gz holds them, and unpacked into
+# (3 h on a 2-core x86 CPU): benchmarks/data/smollm2_answers.jsonl.gz holds them, and unpacked into
 # $OUT/data.jsonl first (benchmarks/data/README.md) it skips that.
 # RANKS=2 trains on two local ranks, one per core, each with one OpenBLAS thread (docs/training.md):
 # the same drafter as one process up to float rounding. The shipped weights were trained so, with
@@ -20,7 +20,7 @@ fi
 #    head, most of a draft's and of a training step's cost on this target. The texts (Python manual
 #    pages and source files, read teacher-forced) and the window it decodes with (16:256) teach it
 #    to draft after long prompts.
-"${LAUNCH[@]}" dflash-mlx train --out "$OUT" --prompts gsm8k stdlib sharegpt --num-prompts "${NUM_PROMPTS:-2517}" \
+"${LAUNCH[@]}" dflash-mlx train --out "$OUT" --prompts gsm8k stdlib sharegpt --num-prompts "${NUM_PROMPTS:-3516}" \
   --texts docs code --num-texts 72 --draft-window 16:256 \
   --max-response-tokens 256 --gen-batch-size 32 --num-layers 2 --target-layer-ids 2 15 28 \
   --draft-vocab-size 8192 --init target --block-size 8 --steps "${STEPS:-4000}" --batch-seqs 4 \
