@@ -449,7 +449,7 @@ def run(args: argparse.Namespace) -> None:
                                          columns[labels], valid, norm)
         grads, _ = optim.clip_grad_norm(ranks.average(grads), 1.0)
         optimizer.update(drafter, grads)
-        return ranks.mean(loss), ranks.gather(correct)[: len(batch[-1])]  # without share's padding
+        return ranks.mean(loss), ranks.gather(correct, len(batch[-1]))
 
     # Sequences of similar length share a batch (less padding); the batch order of
     # each epoch and each step's anchors come from (seed, epoch) / (seed, step), so a

@@ -90,8 +90,9 @@ class Ranks:
     def mean(self, x: mx.array) -> mx.array:
         return mx.distributed.all_sum(x, group=self.group) / self.size
 
-    def gather(self, x: mx.array) -> mx.array:
-        return mx.distributed.all_gather(x, group=self.group)
+    def gather(self, x: mx.array, rows: int) -> mx.array:
+        """Every rank's share of ``x`` in row order, the first ``rows`` (without ``share``'s padding)."""
+        return mx.distributed.all_gather(x, group=self.group)[:rows]
 
     def follow(self) -> None:
         """Another rank, its training done: wait for rank 0 to end (it then ends this process)."""
