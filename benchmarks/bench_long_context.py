@@ -22,7 +22,9 @@ Sections (``--sections``), all greedy, in one process:
   target's token, accepted drafted tokens and accepted copies per step; every DFlash run's tokens
   are checked against mlx_lm's.
 - ``windows``: acceptance only (drafted / copied accepted per step) at block 8 and auto, copies off
-  and on, for each ``--windows`` entry (``none``: the whole context).
+  and on, for each ``--windows`` entry (``none``: the whole context). The tree budget stays auto,
+  so a fixed block of 8 verifies trees of up to 8 nodes: these figures are not ``bench_drafter.py``'s,
+  which verifies chains.
 
 Decode runs start from prompts prefilled once per system (mlx_lm's caches copied; a ``PromptCache``
 per DFlash configuration): decode time excludes prefill on both sides, so this changes no measured
