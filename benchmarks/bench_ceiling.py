@@ -10,12 +10,11 @@ every row produces the same text.
     python benchmarks/bench_ceiling.py --model M --draft D       # real pair
 
 Blocks: fixed 16; "auto" (what ``--block-size auto`` does: the calibrated
-cost curve and the running acceptance); "timed" (the curve also rescaled by
-the step times observed, ``make_policy(model, timed=True)``). Each row is the best of ``--repeats`` runs: on a
+cost curve and the running acceptance). Each row is the best of ``--repeats`` runs: on a
 shared machine noise only ever slows a run down.
 
 Drafters: "random" is the given drafter (tau near 1 when untrained: speculation
-cannot pay), "oracle" proposes the target's own greedy continuation with every
+cannot pay), "oracle" (the tests' ``OracleDrafter``) proposes the target's own greedy continuation with every
 ``--wrong-every``-th token wrong (a stand-in for a well-trained drafter on a
 machine without one).
 """
@@ -35,37 +34,14 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from dflash_mlx import DFlashModel, stream_generate  # noqa: E402
-from dflash_mlx.adaptive import make_policy  # noqa: E402
-from dflash_mlx.step_costs import cost_curve  # noqa: E402
-from dflash_mlx.models import Drafter  # noqa: E402
+from dflash_mlx.costs import costs  # noqa: E402
+from tiny import OracleDrafter  # noqa: E402
+from side_by_side import pair_paths  # noqa: E402
 
 TEXT = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
     "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm afternoon sun. "
 )
-
-
-class Oracle(Drafter):
-    """The drafter's real forward (its cost, its cache), then the reference's tokens as proposals.
-
-    Like tests/tiny.OracleDrafter, but builds one-hot rows by comparison instead of
-    an identity matrix, which a real vocabulary (49152) cannot afford.
-    """
-
-    def __init__(self, drafter: Drafter, reference: list[int], wrong_every: int):
-        super().__init__(drafter.args)
-        self.update(drafter.parameters())
-        self.reference, self.wrong_every = reference, wrong_every
-
-    def __call__(self, block_embeddings, context_hidden, cache, lm_head, ops):
-        logits = super().__call__(block_embeddings, context_hidden, cache, lm_head, ops)
-        start = cache[0].offset  # the anchor's position
-        rows = []
-        for pos in range(start + 1, start + block_embeddings.shape[1]):
-            tok = self.reference[pos] if pos < len(self.reference) else 0
-            rows.append(tok + 1 if pos % self.wrong_every == 0 else tok)
-        hot = mx.arange(logits.shape[-1])[None] == mx.array(rows)[:, None]
-        return mx.where(hot, 30.0, 0.0) + 0 * logits
 
 
 def make_tiny(root: Path) -> tuple[str, str]:
@@ -89,7 +65,7 @@ def run(model, tokenizer, prompt, max_tokens, block_size, window) -> dict:
     return dict(
         tau=s.tau,
         tps=r.generation_tps,
-        plain=s.plain_fraction,
+        plain=sum(b == 1 for b in s.block_sizes) / max(len(s.block_sizes), 1),
         sizes=sorted(set(s.block_sizes)),
         seconds=time.perf_counter() - tic,
         tokens=r.generation_tokens,
@@ -105,15 +81,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--window", default="64:1024", help="Drafter window KEEP:RECENT for the windowed rows")
     p.add_argument("--wrong-every", type=int, default=9)
-    p.add_argument("--blocks", default="16,auto,timed", help="Block policies to run (comma-separated)")
+    p.add_argument("--blocks", default="16,auto", help="Block sizes to run (comma-separated: integers or auto)")
     p.add_argument("--repeats", type=int, default=3, help="Runs per row; the fastest is reported")
     p.add_argument("--drafters", default="random,oracle", help="Drafters to run (comma-separated)")
     args = p.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_path, draft_path = (args.model, args.draft) if args.model else make_tiny(Path(tmp))
+        model_path, draft_path = pair_paths(args.model, args.draft) if args.model or args.draft else make_tiny(Path(tmp))
         model, tokenizer = dflash_mlx.load(model_path, draft_path)
-    curve = cost_curve(model)
+    curve = costs(model).ready(1)
     print("verify+draft cost relative to one plain step:", {b: round(c, 2) for b, c in curve.relative().items()})
     window = tuple(int(x) for x in args.window.split(":"))
 
@@ -125,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         ref = [int(t) for t, _ in generate_step(mx.array(prompt), model.target.model, max_tokens=args.max_tokens)]
         plain = max((run(model, tokenizer, prompt, args.max_tokens, 1, None) for _ in range(args.repeats)), key=lambda x: x["tps"])
         print(f"{length:>6} {'-':>7} {1:>6} {'-':>9} {plain['tau']:>6.2f} {plain['tps']:>8.1f} {100:>6.0f}  [1]")
-        oracle = DFlashModel(model.target, Oracle(model.drafter, prompt + ref, args.wrong_every), curve)
+        oracle = DFlashModel(model.target, OracleDrafter(model.drafter, prompt + ref, args.wrong_every))
         for name, pair in (("random", model), ("oracle", oracle)):
             if name not in args.drafters.split(","):
                 continue
@@ -133,8 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                 for win in (None, window):
                     runs = []
                     for _ in range(args.repeats):
-                        policy = {"16": 16, "auto": "auto"}.get(block) or make_policy(pair, timed=True)
-                        runs.append(run(pair, tokenizer, prompt, args.max_tokens, policy, win))
+                        runs.append(run(pair, tokenizer, prompt, args.max_tokens, int(block) if block.isdigit() else block, win))
                     r = max(runs, key=lambda x: x["tps"])
                     w = "-" if win is None else f"{win[0]}:{win[1]}"
                     print(

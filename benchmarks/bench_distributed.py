@@ -122,7 +122,8 @@ def main() -> None:
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
     if args.model is None:
-        target_dir, args.draft = default_pair()
+        target_dir, built_in_drafter = default_pair()
+        args.draft = args.draft or built_in_drafter
         args.model, args.pipeline = str(qwen2_copy(Path(target_dir))), True
     prompts = load_dataset(args.dataset, args.num_prompts)
     model, tokenizer = load(args.model, args.draft, pipeline=args.pipeline)  # rank 0 only returns

@@ -50,7 +50,7 @@ from dflash_mlx import stream_generate
 from dflash_mlx.benchmark import _timed
 from dflash_mlx.cache.prompt import PromptCache
 from dflash_mlx.costs import prefill_chunks
-from dflash_mlx.default import default_pair
+from side_by_side import pair_paths
 from dflash_mlx.train.data import (CODE_QUESTIONS, DOC_QUESTIONS, LONG_HELD_OUT, PYTHON_DOCS, long_prompt,
                                    package_root, prompt_ids)
 
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     print(f"BLAS: {dflash_mlx.BLAS}", flush=True)  # figures taken on the reference BLAS compare with nothing
-    model_path, draft_path = (args.model, args.draft) if args.model else default_pair()
+    model_path, draft_path = pair_paths(args.model, args.draft)
     model, tokenizer = dflash_mlx.load(model_path, draft_path)
     prompts = [q for q in build_prompts(tokenizer, args.lengths) if q["kind"] in args.kinds]
     print("prompts:", [(q["name"], len(q["ids"])) for q in prompts], flush=True)

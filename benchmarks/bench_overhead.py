@@ -39,7 +39,7 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
 from dflash_mlx import DFlashModel, load, stream_generate
 from dflash_mlx.policy import BlockPolicy
-from dflash_mlx.default import default_pair
+from side_by_side import pair_paths
 from dflash_mlx.models import Drafter
 from dflash_mlx.kernels import get_ops
 
@@ -78,7 +78,7 @@ def main() -> None:
     if args.tiny:
         model_path, draft_path = tiny_pair(Path(tempfile.mkdtemp()))
     else:
-        model_path, draft_path = (args.model, args.draft) if args.model else default_pair()
+        model_path, draft_path = pair_paths(args.model, args.draft)
     pair, tokenizer = load(model_path, draft_path)
     mx.random.seed(0)
     random_drafter = Drafter(pair.drafter.args)  # same shape, random weights: tau ~ 1

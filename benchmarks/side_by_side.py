@@ -2,7 +2,8 @@
 
 For every prompt each system runs once, in an order rotated from prompt to prompt, so a busy spell
 of this shared machine falls on all of them; every output is checked against mlx_lm's (the first
-system). Also ``free_port``, for the processes benchmarks start beside each other (servers, ranks).
+system). Also ``free_port``, for the processes benchmarks start beside each other (servers, ranks),
+and ``pair_paths``, the pair a benchmark's ``--model`` / ``--draft`` name.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import socket
 
 import dflash_mlx  # noqa: F401  (before mlx: it loads OpenBLAS)
 from dflash_mlx.benchmark import DATASETS, _chat, _timed, load_dataset, plain_run
+from dflash_mlx.default import default_pair
 from dflash_mlx.generation import stream_generate
 
 MAX_TOKENS = 128
@@ -22,6 +24,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pair_paths(model: str | None, draft: str | None) -> tuple[str, str]:
+    """The target and drafter folders a benchmark runs: ``model`` and ``draft`` where given, the
+    built-in pair's where not (so ``--draft`` alone runs that drafter on the built-in target)."""
+    if model is None or draft is None:
+        target, drafter = default_pair()
+        model, draft = model or target, draft or drafter
+    return model, draft
 
 
 def rotated(items: list, shift: int) -> list:
