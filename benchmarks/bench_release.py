@@ -66,9 +66,12 @@ def systems(previous, names: list[str], pair: tuple[str, str], drafters: dict[st
                                                                             block_size="auto"))
     for name in names:
         system, *variants = name.split(":")
-        if system == "previous":  # the previous release at a fixed block
-            out[name] = lambda prompt, n, B=int(variants[0]): _timed(previous.stream_generate(
-                old_model, old_tokenizer, prompt, n, block_size=B))
+        if system == "previous":  # at its default (run whenever --baseline is given) or at a fixed block
+            if previous is None:
+                raise SystemExit(f"system {name!r} needs --baseline, a checkout of the previous release")
+            if variants:
+                out[name] = lambda prompt, n, B=int(variants[0]): _timed(previous.stream_generate(
+                    old_model, old_tokenizer, prompt, n, block_size=B))
             continue
         if system not in models:
             raise SystemExit(f"unknown system {name!r}: name this, previous or a --drafter NAME")
