@@ -14,9 +14,9 @@ cost curve and the running acceptance). Each row is the best of ``--repeats`` ru
 shared machine noise only ever slows a run down.
 
 Drafters: "random" is the given drafter (tau near 1 when untrained: speculation
-cannot pay), "oracle" (the tests' ``OracleDrafter``) proposes the target's own greedy continuation with every
-``--wrong-every``-th token wrong (a stand-in for a well-trained drafter on a
-machine without one).
+cannot pay), "oracle" (the tests' ``OracleDrafter``) proposes the target's own
+greedy continuation with every ``--wrong-every``-th token wrong (a stand-in for a
+well-trained drafter on a machine without one).
 """
 
 from __future__ import annotations

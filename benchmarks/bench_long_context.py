@@ -50,9 +50,9 @@ from dflash_mlx import stream_generate
 from dflash_mlx.benchmark import _timed
 from dflash_mlx.cache.prompt import PromptCache
 from dflash_mlx.costs import prefill_chunks
-from side_by_side import pair_paths
 from dflash_mlx.train.data import (CODE_QUESTIONS, DOC_QUESTIONS, LONG_HELD_OUT, PYTHON_DOCS, long_prompt,
                                    package_root, prompt_ids)
+from side_by_side import pair_paths
 
 # Prompt length -> (manual page, package source file); none of them trained on.
 SOURCES = {

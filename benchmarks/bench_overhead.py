@@ -39,9 +39,9 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
 from dflash_mlx import DFlashModel, load, stream_generate
 from dflash_mlx.policy import BlockPolicy
-from side_by_side import pair_paths
 from dflash_mlx.models import Drafter
 from dflash_mlx.kernels import get_ops
+from side_by_side import pair_paths
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
