@@ -534,7 +534,9 @@ def test_sampled_rows_with_copies_are_exact(tiny_pair, tmp_path):
     V = model.target.vocab_size
     prompt = [v for x in range(V) for v in (40, x, (7 * x + 3) % V)] + [40]
     expected = third_token_marginal(net, prompt, params)
-    engine = Engine(model, block_size=3, max_rows=8, prompt_cache=PromptCache())
+    # The whole context as the drafter's: a window would drop rows of the first request's entry,
+    # and a hit cut back to the prompt then prefills the window's rows again (``PromptCache._cut``).
+    engine = Engine(model, block_size=3, max_rows=8, prompt_cache=PromptCache(), draft_window=None)
     runs, uids, events = 300, [], {}
     for i in range(runs):
         uids.append(engine.add(prompt, max_tokens=4, temp=params.temp, top_p=params.top_p, seed=10_000 + i))

@@ -560,6 +560,28 @@ def test_prompt_cache_reuse_equals_a_fresh_run(setup):
     assert tokens(model, tokenizer, other, 20, prompt_cache=cache)[0] == tokens(model, tokenizer, other, 20)[0]
 
 
+def test_a_prompt_sent_again_drafts_as_a_fresh_prefill_does(setup):
+    """The same prompt again hits the entry of prompt + reply, cut back to the prompt. Its windowed
+    drafter context dropped rows while the reply grew, so the cut goes back by the window too and
+    prefills it again: the drafter sees what a fresh prefill leaves."""
+    model, tokenizer, prompt, ref = setup
+    window, kwargs = (4, 8), {"block_size": 4, "copy_proposals": False}
+    fresh_out, fresh = tokens(model, tokenizer, prompt, 30, draft_window=window, **kwargs)
+    cache = PromptCache()
+    tokens(model, tokenizer, prompt, 30, draft_window=window, prompt_cache=cache, **kwargs)
+    (entry,) = cache.entries.values()
+    assert not all(c.holds_window(0, len(prompt) - 1) for c in entry.draft_cache)  # rows were dropped
+    engine = Engine(model, prompt_cache=cache, draft_window=window)
+    assert engine.cached_tokens(engine.add(prompt, max_tokens=30)) == len(prompt) - 1 - window[1]
+    again_out, again = tokens(model, tokenizer, prompt, 30, draft_window=window, prompt_cache=cache, **kwargs)
+    assert again_out == fresh_out == ref[:30] and again.acceptance_lengths == fresh.acceptance_lengths
+    # Unwindowed, nothing is dropped: the cut stays at the prompt.
+    whole = PromptCache()
+    tokens(model, tokenizer, prompt, 30, draft_window=None, prompt_cache=whole, **kwargs)
+    engine = Engine(model, prompt_cache=whole, draft_window=None)
+    assert engine.cached_tokens(engine.add(prompt, max_tokens=30)) == len(prompt) - 1
+
+
 def test_a_generation_stopped_while_running_ahead_leaves_a_reusable_cache(setup):
     model, tokenizer, prompt, ref = setup
     cache, first = PromptCache(), []

@@ -68,6 +68,12 @@ class ContextCache(RaggedKVCache):
         self.dropped = [d + e for d, e in zip(self.dropped, excess)]
         self._set_lengths([min(n, limit) for n in self.lengths])
 
+    def holds_window(self, row: int, length: int) -> bool:
+        """Whether row ``row`` cut back to ``length`` (``take``) holds every row a prefill to
+        ``length`` leaves: not when the rows its window needs there were dropped as it grew."""
+        d = self.dropped[row]
+        return not d or self.recent is None or length <= self.keep or length - self.recent >= self.keep + d
+
     def take(self, row: int, length: int) -> "ContextCache":
         """A one-row cache holding row ``row``'s context before position ``length``."""
         d = self.dropped[row]

@@ -132,7 +132,15 @@ class PromptCache:
             self.disk.touch(key)
         return self._cut(self.entries[key], n)
 
-    def _cut(self, entry: _Entry, n: int) -> tuple[int, list, list]:
+    def _cut(self, entry: _Entry, n: int) -> tuple[int, list, list] | None:
+        """``entry`` cut to its first ``n`` tokens. A windowed drafter context dropped rows as the
+        entry grew: cut back, it would hold fewer recent rows than a prefill to ``n`` leaves (same
+        output, other drafts), so the cut goes back by the window's recent rows as well, and
+        prefilling those tokens again fills the window exactly. None when nothing is left."""
+        if not all(c.holds_window(0, n) for c in entry.draft_cache):
+            n -= max(c.recent for c in entry.draft_cache if not c.holds_window(0, n))
+            if n < 1:
+                return None
         return n, self.layout.model.target.take(entry.cache, 0, n), [c.take(0, n) for c in entry.draft_cache]
 
     def save(self, tokens: list[int], cache: list, draft_cache: list) -> None:
