@@ -82,9 +82,9 @@ def test_every_benchmark_script_imports():
     that no longer existed, and nothing ran it)."""
     root = Path(__file__).resolve().parent.parent
     scripts = sorted((root / "benchmarks").glob("*.py"))
-    code = ("import importlib.util, sys\n"
+    code = ("import importlib.util, pathlib, sys\n"
             "for path in sys.argv[1:]:\n"
-            "    spec = importlib.util.spec_from_file_location(path.rsplit('/', 1)[-1][:-3], path)\n"
+            "    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)\n"
             "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n")
     env = {**os.environ, "PYTHONPATH": f"{root / 'benchmarks'}{os.pathsep}{root / 'tests'}"}
     run = subprocess.run([sys.executable, "-c", code, *map(str, scripts)], capture_output=True, text=True,

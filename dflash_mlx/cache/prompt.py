@@ -137,8 +137,9 @@ class PromptCache:
         entry grew: cut back, it would hold fewer recent rows than a prefill to ``n`` leaves (same
         output, other drafts), so the cut goes back by the window's recent rows as well, and
         prefilling those tokens again fills the window exactly. None when nothing is left."""
-        if not all(c.holds_window(0, n) for c in entry.draft_cache):
-            n -= max(c.recent for c in entry.draft_cache if not c.holds_window(0, n))
+        short = [c.recent for c in entry.draft_cache if not c.holds_window(0, n)]
+        if short:
+            n -= max(short)
             if n < 1:
                 return None
         return n, self.layout.model.target.take(entry.cache, 0, n), [c.take(0, n) for c in entry.draft_cache]
