@@ -575,6 +575,11 @@ def test_a_prompt_sent_again_drafts_as_a_fresh_prefill_does(setup):
     assert engine.cached_tokens(engine.add(prompt, max_tokens=30)) == len(prompt) - 1 - window[1]
     again_out, again = tokens(model, tokenizer, prompt, 30, draft_window=window, prompt_cache=cache, **kwargs)
     assert again_out == fresh_out == ref[:30] and again.acceptance_lengths == fresh.acceptance_lengths
+    # A prompt sharing fewer tokens than the window's recent rows has nothing left to reuse: a miss.
+    hits, misses = cache.ram_hits, cache.misses
+    engine = Engine(model, prompt_cache=cache, draft_window=window)
+    assert engine.cached_tokens(engine.add(prompt[:6] + [7] * 20, max_tokens=4)) == 0
+    assert (cache.ram_hits, cache.misses) == (hits, misses + 1)
     # Unwindowed, nothing is dropped: the cut stays at the prompt.
     whole = PromptCache()
     tokens(model, tokenizer, prompt, 30, draft_window=None, prompt_cache=whole, **kwargs)

@@ -117,20 +117,27 @@ class PromptCache:
             n, key = found
             loaded = self.disk.load(key)
             if loaded is not None:
-                self.disk_hits += 1
                 tokens, cache, draft = loaded
                 entry = _Entry(tokens, cache, draft, nbytes(cache, draft))
                 self._insert(key, entry)
-                return self._cut(entry, n)
+                return self._count(self._cut(entry, n), "disk_hits")
         if ram is None:
             self.misses += 1
             return None
         n, key = ram
-        self.ram_hits += 1
         self.entries.move_to_end(key)
         if self.disk is not None and key in self.disk:
             self.disk.touch(key)
-        return self._cut(self.entries[key], n)
+        return self._count(self._cut(self.entries[key], n), "ram_hits")
+
+    def _count(self, cut: tuple[int, list, list] | None, tier: str) -> tuple[int, list, list] | None:
+        """Count ``cut`` as a hit of ``tier`` (``ram_hits``, ``disk_hits``), or as a miss when
+        nothing was left of it (``_cut``)."""
+        if cut is None:
+            self.misses += 1
+        else:
+            setattr(self, tier, getattr(self, tier) + 1)
+        return cut
 
     def _cut(self, entry: _Entry, n: int) -> tuple[int, list, list] | None:
         """``entry`` cut to its first ``n`` tokens. A windowed drafter context dropped rows as the
