@@ -54,13 +54,15 @@ from dflash_mlx.train.data import (CODE_QUESTIONS, DOC_QUESTIONS, LONG_HELD_OUT,
                                    package_root, prompt_ids)
 from side_by_side import pair_paths
 
-# Prompt length -> (manual page, package source file); none of them trained on.
+# Prompt length -> (manual page, package source file) pairs, none of them trained on; a run takes
+# the first ``--prompts-per-kind`` of them. More than one per kind: at long contexts one prompt's
+# steps move far with small policy changes (benchmarks/results/README.md, 2026-12-07).
 SOURCES = {
-    200: ("tutorial/controlflow.rst.txt", "flask/app.py"),
-    1024: ("howto/regex.rst.txt", "werkzeug/routing/rules.py"),
-    2048: ("howto/descriptor.rst.txt", "rich/console.py"),
-    4096: ("howto/functional.rst.txt", "jinja2/compiler.py"),
-    7936: ("howto/logging.rst.txt", "click/core.py"),
+    200: (("tutorial/controlflow.rst.txt", "flask/app.py"), ("tutorial/datastructures.rst.txt", "flask/cli.py")),
+    1024: (("howto/regex.rst.txt", "werkzeug/routing/rules.py"), ("howto/sorting.rst.txt", "werkzeug/http.py")),
+    2048: (("howto/descriptor.rst.txt", "rich/console.py"), ("howto/argparse.rst.txt", "jinja2/environment.py")),
+    4096: (("howto/functional.rst.txt", "jinja2/compiler.py"), ("tutorial/classes.rst.txt", "werkzeug/test.py")),
+    7936: (("howto/logging.rst.txt", "click/core.py"), ("howto/clinic.rst.txt", "rich/console.py")),
 }
 LENGTHS = tuple(SOURCES)
 WINDOWS = ("none", "0:256", "16:128", "16:256", "64:512", "16:1024")
@@ -88,14 +90,17 @@ def fit(tokenizer, text: str, question: str, kind: str, length: int) -> list[int
     return ids(lo)
 
 
-def build_prompts(tokenizer, lengths=LENGTHS) -> list[dict]:
-    """One document and one code prompt per length: {"name", "kind", "length", "ids"}."""
+def build_prompts(tokenizer, lengths=LENGTHS, per_kind: int = 1) -> list[dict]:
+    """``per_kind`` document and code prompts per length: {"name", "kind", "length", "ids"}."""
     prompts = []
     for length in lengths:
-        doc, code = SOURCES.get(length) or SOURCES[max(k for k in SOURCES if k <= length)]
-        for kind, name, question in (("docs", doc, DOC_QUESTIONS[0]), ("code", code, CODE_QUESTIONS[0])):
-            ids = fit(tokenizer, source_text(kind, name), question, kind, length)
-            prompts.append({"name": name, "kind": kind, "length": length, "ids": ids})
+        pairs = SOURCES.get(length) or SOURCES[max(k for k in SOURCES if k <= length)]
+        if per_kind > len(pairs):
+            raise SystemExit(f"--prompts-per-kind {per_kind}: {length} tokens have {len(pairs)} sources per kind")
+        for doc, code in pairs[:per_kind]:
+            for kind, name, question in (("docs", doc, DOC_QUESTIONS[0]), ("code", code, CODE_QUESTIONS[0])):
+                ids = fit(tokenizer, source_text(kind, name), question, kind, length)
+                prompts.append({"name": name, "kind": kind, "length": length, "ids": ids})
     return prompts
 
 
@@ -230,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--draft", help="Drafter folder (default: the built-in pair's)")
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     p.add_argument("--kinds", nargs="+", default=["docs", "code"])
+    p.add_argument("--prompts-per-kind", type=int, default=1, help="Sources per kind and length (1 or 2)")
     p.add_argument("--sections", nargs="+", default=["prefill", "decode", "windows"])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--windows", nargs="+", default=list(WINDOWS), help="Windows the windows section sweeps")
@@ -242,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"BLAS: {dflash_mlx.BLAS}", flush=True)  # figures taken on the reference BLAS compare with nothing
     model_path, draft_path = pair_paths(args.model, args.draft)
     model, tokenizer = dflash_mlx.load(model_path, draft_path)
-    prompts = [q for q in build_prompts(tokenizer, args.lengths) if q["kind"] in args.kinds]
+    prompts = [q for q in build_prompts(tokenizer, args.lengths, args.prompts_per_kind) if q["kind"] in args.kinds]
     print("prompts:", [(q["name"], len(q["ids"])) for q in prompts], flush=True)
     for _ in stream_generate(model, tokenizer, prompts[0]["ids"][:64], 8):  # warm up both paths
         pass
