@@ -61,8 +61,11 @@ SOURCES = {
     200: (("tutorial/controlflow.rst.txt", "flask/app.py"), ("tutorial/datastructures.rst.txt", "flask/cli.py")),
     1024: (("howto/regex.rst.txt", "werkzeug/routing/rules.py"), ("howto/sorting.rst.txt", "werkzeug/http.py")),
     2048: (("howto/descriptor.rst.txt", "rich/console.py"), ("howto/argparse.rst.txt", "jinja2/environment.py")),
-    4096: (("howto/functional.rst.txt", "jinja2/compiler.py"), ("tutorial/classes.rst.txt", "werkzeug/test.py")),
-    7936: (("howto/logging.rst.txt", "click/core.py"), ("howto/clinic.rst.txt", "rich/console.py")),
+    4096: (("howto/functional.rst.txt", "jinja2/compiler.py"), ("tutorial/classes.rst.txt", "werkzeug/test.py"),
+           ("tutorial/controlflow.rst.txt", "click/types.py"), ("howto/unicode.rst.txt", "werkzeug/serving.py")),
+    7936: (("howto/logging.rst.txt", "click/core.py"), ("howto/clinic.rst.txt", "rich/console.py"),
+           ("howto/descriptor.rst.txt", "jinja2/compiler.py"), ("howto/regex.rst.txt", "flask/app.py"),
+           ("howto/enum.rst.txt", "jinja2/environment.py"), ("howto/functional.rst.txt", "rich/progress.py")),
 }
 LENGTHS = tuple(SOURCES)
 WINDOWS = ("none", "0:256", "16:128", "16:256", "64:512", "16:1024")
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--draft", help="Drafter folder (default: the built-in pair's)")
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     p.add_argument("--kinds", nargs="+", default=["docs", "code"])
-    p.add_argument("--prompts-per-kind", type=int, default=1, help="Sources per kind and length (1 or 2)")
+    p.add_argument("--prompts-per-kind", type=int, default=1, help="Sources per kind and length (1 or 2; 4 at 4096, 6 at 7936)")
     p.add_argument("--sections", nargs="+", default=["prefill", "decode", "windows"])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--windows", nargs="+", default=list(WINDOWS), help="Windows the windows section sweeps")
