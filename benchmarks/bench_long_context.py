@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--draft", help="Drafter folder (default: the built-in pair's)")
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     p.add_argument("--kinds", nargs="+", default=["docs", "code"])
-    p.add_argument("--prompts-per-kind", type=int, default=1, help="Sources per kind and length (1 or 2; 4 at 4096, 6 at 7936)")
+    p.add_argument("--prompts-per-kind", type=int, default=1,
+                   help="Sources per kind and length (up to 2; 4 at 4096, 6 at 7936)")
     p.add_argument("--sections", nargs="+", default=["prefill", "decode", "windows"])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--windows", nargs="+", default=list(WINDOWS), help="Windows the windows section sweeps")
