@@ -54,23 +54,23 @@ class TimedTable:
                                          for c, t in zip(self.contexts, self.timed)}, context)
 
     def step_seconds(self, rows: int, block_size: int, draft: bool = True, context: float = 0) -> float:
+        """A step's verify, after a drafter forward of its block (``draft``), at most the drafter's
+        own: a tree of more nodes is drafted in one block (``policy.BlockPolicy.tree_budget``)."""
         seconds = self.verify(block_size, context)
         if draft and block_size > 1:
-            seconds += costs_module.interpolate(self.timed[0].draft, block_size)
+            drafts = self.timed[0].draft
+            seconds += costs_module.interpolate(drafts, min(block_size, max(drafts)))
         return seconds
 
-    def price(self, steps: list[dict], draft_block: int) -> float:
-        """Seconds of recorded steps: a step whose anchors ran ahead pays their 1-row forward and its
-        proposals' B - 1 rows (``policy.BlockPolicy._calibrated``); a drafter forward drafts the
-        step's block, up to the drafter's own (``draft_block``: a tree's)."""
+    def price(self, steps: list[dict]) -> float:
+        """Seconds of recorded steps, each as ``step_seconds``; a step whose anchors ran ahead pays
+        their 1-row forward and its proposals' B - 1 rows in place of B (``BlockPolicy._calibrated``)."""
         total = 0.0
         for s in steps:
             B, context = s["rows"], s["context"]
+            total += self.step_seconds(1, B, s["draft"], context)
             if s["head_start"] and B > 1:
-                total += self.verify(1, context) + self.verify(B - 1, context)
-            else:
-                total += self.verify(B, context)
-            total += costs_module.interpolate(self.timed[0].draft, min(B, draft_block)) if s["draft"] else 0.0
+                total += self.verify(1, context) + self.verify(B - 1, context) - self.verify(B, context)
         return total
 
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     for q in prompts:
-        row, first = {"prompt": q["name"], "kind": q["kind"], "tokens": len(q["ids"])}, None
+        row, first = {"prompt": q["name"], "kind": q["kind"], "length": q["length"], "tokens": len(q["ids"])}, None
         for name, (package, system_model, costs, prompt_cache) in runners.items():
             steps: list[dict] = []
             with traced(package, steps), step_costs(package, system_model, costs):
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             first = first or run.tokens
             plain = (len(run.tokens) - 1) * table.verify(1, len(q["ids"]) + len(run.tokens) / 2)
             s = last.stats
-            row[name] = {"priced_speedup": round(plain / table.price(steps, system_model.block_size), 3),
+            row[name] = {"priced_speedup": round(plain / table.price(steps), 3),
                          "steps": len(steps), "plain_steps": sum(st["rows"] == 1 for st in steps),
                          "tau": round(s.tau, 3), "tree_steps": s.tree_steps, "tokens": len(run.tokens),
                          "wall_tps": round(run.tps, 2), "match": run.tokens == first}
@@ -168,10 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     summary = {}
     for name in runners:
         for length in args.lengths:
-            figures = [r[name]["priced_speedup"] for r in rows if abs(r["tokens"] - length) < 256]
+            at = [r[name] for r in rows if r["length"] == length]
+            figures = [r["priced_speedup"] for r in at]
             summary[f"{name} @ {length}"] = {"geomean": round(math.exp(sum(map(math.log, figures)) / len(figures)), 3),
-                                             "lowest": min(figures), "steps": sum(r[name]["steps"] for r in rows
-                                                                                  if abs(r["tokens"] - length) < 256)}
+                                             "lowest": min(figures), "steps": sum(r["steps"] for r in at)}
     print(json.dumps(summary, indent=1), flush=True)
     if args.output:
         args.output.write_text(json.dumps({"pair": pair, "max_tokens": args.max_tokens, "systems": args.system,
