@@ -50,7 +50,7 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
 # Largest block of a copy-only step, and the nodes a draft tree may hold with auto: no drafter bounds
 # them, and long copies are the ones that pay.
 COPY_BLOCK_SIZE = 16
-SHORT_CONTEXT, LONG_CONTEXT = 128, 2048  # the two contexts a verify is timed at
+SHORT_CONTEXT, LONG_CONTEXT = 128, 4096  # the two contexts a verify is timed at
 # Rounds the longer contexts are timed in: their steps take several times longer than a short
 # context's, so a round of them costs more and its noise is a smaller part of what it times.
 LONG_REPEATS = 2
@@ -196,6 +196,19 @@ def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = No
     return [RowCosts(v, drafts) for v in verify]
 
 
+def context_slopes(short: RowCosts, long: RowCosts) -> dict[int, float]:
+    """Seconds per context token of a verify of each block size, from its times after
+    ``SHORT_CONTEXT`` and ``LONG_CONTEXT`` tokens. A slope is a difference of two timings, the
+    noisiest figure of a calibration; more rows attend to the same keys each, so a larger block's
+    slope is taken to be at least a smaller one's (a 2-row slope timed below the 1-row one once
+    priced 2-row steps under plain ones at 8k tokens)."""
+    slopes, steepest = {}, 0.0
+    for b in sorted(short.verify):
+        steepest = max(steepest, (long.verify[b] - short.verify[b]) / (LONG_CONTEXT - SHORT_CONTEXT))
+        slopes[b] = steepest
+    return slopes
+
+
 class Costs:
     """A pair's step costs, calibrated as the engine first needs them and kept for as long as the
     pair lives, and on disk: one row with its context slope first, then each count in
@@ -213,8 +226,7 @@ class Costs:
             return
         tic = time.perf_counter()
         short, long = calibrate(model, 1, use_metal=use_metal, contexts=(SHORT_CONTEXT, LONG_CONTEXT))
-        per_key = {b: max(long.verify[b] - short.verify[b], 0.0) / (LONG_CONTEXT - SHORT_CONTEXT) for b in short.verify}
-        self.table = StepCosts({1: short}, per_key)
+        self.table = StepCosts({1: short}, context_slopes(short, long))
         why_not = why_not or self._write()
         self.source = (f"measured in {time.perf_counter() - tic:.1f} s, "
                        + (f"not kept ({why_not})" if why_not else f"kept in {self.path}"))

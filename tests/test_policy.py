@@ -194,6 +194,18 @@ def test_step_costs_interpolate():
     assert STEEP.step_seconds(1, 16, draft=False) == pytest.approx(15.0)
 
 
+def test_a_larger_block_never_gets_a_gentler_context_slope():
+    span = costs_module.LONG_CONTEXT - costs_module.SHORT_CONTEXT
+    short = RowCosts({1: 1.0, 2: 1.2, 4: 1.5, 8: 2.0}, {1: 0.0, 8: 0.1})
+    # The 2-row step timed faster after the long context than the 1-row one: noise.
+    long = RowCosts({1: 1.0 + 0.4 * span, 2: 1.2 + 0.3 * span, 4: 1.5 + 0.8 * span, 8: 2.0 + 0.6 * span}, short.draft)
+    slopes = costs_module.context_slopes(short, long)
+    assert slopes == pytest.approx({1: 0.4, 2: 0.4, 4: 0.8, 8: 0.8})
+    table = StepCosts({1: short}, slopes)
+    at = costs_module.SHORT_CONTEXT + 2 * span
+    assert table.step_seconds(1, 2, False, at) > table.step_seconds(1, 1, False, at)
+
+
 def test_context_cache_keeps_start_and_recent_rows():
     cache = ContextCache(keep=2, recent=5)
     rows_ = lambda a, b: mx.arange(a, b, dtype=mx.float32).reshape(1, 1, -1, 1)  # noqa: E731
