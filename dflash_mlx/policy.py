@@ -43,9 +43,15 @@ class RunRates:
     Averaged with the prior while a position has few observations, an EMA after (``decay``: the
     weight of the past). A position never tested borrows the rate of the deepest tested one
     before it: with the prior alone, a source that settled on short runs would never learn that
-    longer ones get accepted. ``optimistic`` choices add ``optimism / sqrt(observations + 1)`` to
-    each rate (an upper confidence bound), so positions seen rarely, e.g. after one unlucky
-    early rejection, get tested again instead of being ruled out for good.
+    longer ones get accepted. ``optimistic`` choices add ``optimism / sqrt(runs + 1)`` to the
+    rates of the positions tested so far and of the first one past them (an upper confidence
+    bound; ``runs``: how often the source was tested at all), so a source tried rarely, e.g. after
+    one unlucky early rejection, gets tried again instead of being ruled out for good. The bonus
+    shrinks with the source's runs, not with each position's observations: a deep position is
+    observed only when a run gets there, so a source that is seldom right keeps few observations
+    there, and a bonus by them would keep betting long blocks on it. Positions further out get
+    none, so a run is explored a position deeper at a time: after one lucky run, a block to the end
+    would be a bet that nothing measured backs, and at a long context each verify row costs dearly.
     """
 
     def __init__(self, length: int, prior: float, decay: float):
@@ -56,7 +62,8 @@ class RunRates:
 
     def rate(self, position: int, optimism: float = 0.0) -> float:
         i = min(position, self.tested - 1) if self.tested else position
-        return min(1.0, self.rates[i] + optimism / math.sqrt(self.seen[position] + 1))
+        bonus = optimism / math.sqrt(self.seen[0] + 1) if position <= self.tested else 0.0
+        return min(1.0, self.rates[i] + bonus)
 
     def expected(self, proposals: int, optimism: float = 0.0) -> float:
         """Expected accepted tokens among the first ``proposals`` of a run."""

@@ -89,6 +89,35 @@ def test_policy_recovers_from_an_unlucky_first_step():
     assert planned[-5:] == [9] * 5  # exactly the useful block: 8 proposals and the bonus
 
 
+def test_one_lucky_run_is_explored_one_position_deeper_not_to_the_end():
+    """Optimism tests a run one position past the deepest it reached: one run of five accepted
+    copies does not buy a 16-row block at what verify rows cost after a long context here."""
+    after_4k = StepCosts({1: RowCosts({1: 1.0, 2: 1.24, 4: 1.7, 8: 2.4, 16: 3.7}, {1: 0.0, 2: 0.05, 16: 0.1})},
+                         {1: 0.0})
+    policy = BlockPolicy(16, after_4k)
+    (r,) = rows(policy, copy=Copy(list(range(15)), match=4))
+    r.acceptance.copy_rates(r.copy).observe(5, 5)
+    plan = policy.plan([r])
+    assert not plan.draft and 1 < plan.block_size <= 8
+
+
+def test_a_seldom_right_copy_source_is_not_bet_long_blocks_on():
+    """A source right about one time in six, for a few tokens each time, has few observations past
+    its first position, all from its hits: its optimism shrinks with its runs, so after a hit it is
+    tried on short blocks, not on long ones at what verify rows cost after 8k tokens here."""
+    after_8k = StepCosts({1: RowCosts({1: 1.0, 2: 1.32, 4: 1.86, 8: 2.75, 16: 4.37}, {1: 0.0, 2: 0.05, 16: 0.1})},
+                         {1: 0.0})
+    policy = BlockPolicy(16, after_8k)
+    (r,) = rows(policy, copy=Copy(list(range(15)), match=2))
+    observe([r], 0.0, steps=20)
+    rates, runs, planned = r.acceptance.copy_rates(r.copy), iter([2, 5, 3, 6, 4, 2, 5]), []
+    for i in range(42):
+        n = next(runs) if i % 6 == 0 else 0
+        rates.observe(n + 1, n)
+        planned.append(policy.plan([r]).block_size)
+    assert max(planned[12:]) <= 3 and planned.count(1) > 20
+
+
 def test_more_rows_take_smaller_blocks():
     """With the verify cost growing in rows x block, more rows mean a smaller block."""
     table = StepCosts({
