@@ -20,6 +20,9 @@ from dflash_mlx.policy import BlockPolicy, Plan, make_policy
 # Step cost in units of one plain decoding step, one row.
 STEEP = StepCosts({1: RowCosts({1: 1.0, 2: 1.9, 4: 3.7, 8: 7.4, 16: 15.0}, {1: 0.0, 2: 0.3, 16: 0.6})}, {1: 0.0})
 FLAT = StepCosts({1: RowCosts({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.1, 16: 0.15})}, {1: 0.0})
+# A step's cost as timed on this CPU after 4k and 8k tokens of context, the context already in it.
+AFTER_4K = StepCosts({1: RowCosts({1: 1.0, 2: 1.24, 4: 1.7, 8: 2.4, 16: 3.7}, {1: 0.0, 2: 0.05, 16: 0.1})}, {1: 0.0})
+AFTER_8K = StepCosts({1: RowCosts({1: 1.0, 2: 1.32, 4: 1.86, 8: 2.75, 16: 4.37}, {1: 0.0, 2: 0.05, 16: 0.1})}, {1: 0.0})
 
 
 def rows(policy: BlockPolicy, n: int = 1, **kwargs) -> list[PolicyRow]:
@@ -92,9 +95,7 @@ def test_policy_recovers_from_an_unlucky_first_step():
 def test_one_lucky_run_is_explored_one_position_deeper_not_to_the_end():
     """Optimism tests a run one position past the deepest it reached: one run of five accepted
     copies does not buy a 16-row block at what verify rows cost after a long context here."""
-    after_4k = StepCosts({1: RowCosts({1: 1.0, 2: 1.24, 4: 1.7, 8: 2.4, 16: 3.7}, {1: 0.0, 2: 0.05, 16: 0.1})},
-                         {1: 0.0})
-    policy = BlockPolicy(16, after_4k)
+    policy = BlockPolicy(16, AFTER_4K)
     (r,) = rows(policy, copy=Copy(list(range(15)), match=4))
     r.acceptance.copy_rates(r.copy).observe(5, 5)
     plan = policy.plan([r])
@@ -105,9 +106,7 @@ def test_a_seldom_right_copy_source_is_not_bet_long_blocks_on():
     """A source right about one time in six, for a few tokens each time, has few observations past
     its first position, all from its hits: its optimism shrinks with its runs, so after a hit it is
     tried on short blocks, not on long ones at what verify rows cost after 8k tokens here."""
-    after_8k = StepCosts({1: RowCosts({1: 1.0, 2: 1.32, 4: 1.86, 8: 2.75, 16: 4.37}, {1: 0.0, 2: 0.05, 16: 0.1})},
-                         {1: 0.0})
-    policy = BlockPolicy(16, after_8k)
+    policy = BlockPolicy(16, AFTER_8K)
     (r,) = rows(policy, copy=Copy(list(range(15)), match=2))
     observe([r], 0.0, steps=20)
     rates, runs, planned = r.acceptance.copy_rates(r.copy), iter([2, 5, 3, 6, 4, 2, 5]), []
