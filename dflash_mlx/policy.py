@@ -52,17 +52,24 @@ class RunRates:
     there, and a bonus by them would keep betting long blocks on it. Positions further out get
     none, so a run is explored a position deeper at a time: after one lucky run, a block to the end
     would be a bet that nothing measured backs, and at a long context each verify row costs dearly.
+
+    ``drifts``: the source's rate moves along the text, as the drafter's does (it drafts boilerplate
+    far and prose hardly at all). Its EMA then remembers about ``(1 + decay) / (1 - decay)`` runs,
+    and ``runs`` counts no more than that: a few misses after a hundred runs leave it tried again,
+    not idle while the text turns predictable. A copy class pools copies from all over the text,
+    a mean that holds; a floor there kept betting blocks on seldom-right classes at 8k tokens.
     """
 
-    def __init__(self, length: int, prior: float, decay: float):
+    def __init__(self, length: int, prior: float, decay: float, drifts: bool = False):
         self.rates = [prior] * length
         self.seen = [0] * length  # observations per position
         self.tested = 0  # positions 0..tested-1 have been observed at least once
         self.decay = decay
+        self.memory = (1 + decay) / (1 - decay) if drifts else math.inf
 
     def rate(self, position: int, optimism: float = 0.0) -> float:
         i = min(position, self.tested - 1) if self.tested else position
-        bonus = optimism / math.sqrt(self.seen[0] + 1) if position <= self.tested else 0.0
+        bonus = optimism / math.sqrt(min(self.seen[0], self.memory) + 1) if position <= self.tested else 0.0
         return min(1.0, self.rates[i] + bonus)
 
     def expected(self, proposals: int, optimism: float = 0.0) -> float:
@@ -132,7 +139,7 @@ class Acceptance:
 
     def __init__(self, draft_length: int, copy_length: int, prior: float = 0.6, decay: float = 0.8,
                  copy_prior: float = 0.5):
-        self.drafter = RunRates(draft_length, prior, decay)
+        self.drafter = RunRates(draft_length, prior, decay, drifts=True)
         self.depths = DepthCalibration(draft_length, decay)
         self.copies = [RunRates(copy_length, copy_prior, decay) for _ in COPY_MATCH_CLASSES]
         self.corpus_copies = [RunRates(copy_length, copy_prior, decay) for _ in COPY_MATCH_CLASSES]

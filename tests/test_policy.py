@@ -23,6 +23,8 @@ FLAT = StepCosts({1: RowCosts({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.1, 16: 0.15})})
 # A step's cost as timed on this CPU after 4k and 8k tokens of context, the context already in it.
 AFTER_4K = StepCosts({1: RowCosts({1: 1.0, 2: 1.24, 4: 1.7, 8: 2.4, 16: 3.7}, {1: 0.0, 2: 0.05, 16: 0.1})})
 AFTER_8K = StepCosts({1: RowCosts({1: 1.0, 2: 1.32, 4: 1.86, 8: 2.75, 16: 4.37}, {1: 0.0, 2: 0.05, 16: 0.1})})
+# After a short prompt: a verify row costs little more than the first (this CPU, a 128-token context).
+SHORT = StepCosts({1: RowCosts({1: 1.0, 2: 1.2, 4: 1.35, 8: 1.5, 16: 1.65}, {1: 0.0, 2: 0.05, 16: 0.1})})
 
 
 def rows(policy: BlockPolicy, n: int = 1, **kwargs) -> list[PolicyRow]:
@@ -115,6 +117,20 @@ def test_a_seldom_right_copy_source_is_not_bet_long_blocks_on():
         rates.observe(n + 1, n)
         planned.append(policy.plan([r]).block_size)
     assert max(planned[12:]) <= 3 and planned.count(1) > 20
+
+
+def test_a_source_right_half_the_time_is_tried_again_after_a_few_misses():
+    """Run rates are EMAs remembering about (1 + decay) / (1 - decay) runs, so their optimism never
+    shrinks below what that many runs are worth, however many there were: a drafter right half the
+    time for a hundred steps, then wrong four times running, is tried again, not left idle while
+    the text turns predictable again."""
+    policy = BlockPolicy(8, SHORT)
+    (r,) = rows(policy)
+    for i in range(100):
+        r.acceptance.drafter.observe(2 - i % 2, 1 - i % 2)
+    for _ in range(4):
+        r.acceptance.drafter.observe(1, 0)
+    assert all(policy.plan([r]).draft for _ in range(5))
 
 
 def test_more_rows_take_smaller_blocks():
