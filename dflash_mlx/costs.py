@@ -30,7 +30,7 @@ import platform
 import time
 import weakref
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -50,11 +50,7 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
 # Largest block of a copy-only step, and the nodes a draft tree may hold with auto: no drafter bounds
 # them, and long copies are the ones that pay.
 COPY_BLOCK_SIZE = 16
-# The contexts a verify is timed at; priced linearly between them and past the last along the
-# last stretch. A verify's cost grows faster than linearly with the keys it reads here (2 rows:
-# 14 us a key up to 4k, 19 us from 4k to 8k), so a line through 128 and 4k alone priced 2-row steps
-# at 8k 7% under what they cost, and they lost to plain decoding there.
-SHORT_CONTEXT, LONG_CONTEXTS = 128, (4096, 8192)
+SHORT_CONTEXT, LONG_CONTEXT = 128, 4096  # the two contexts a verify is timed at
 # Rounds the longer contexts are timed in: their steps take several times longer than a short
 # context's, so a round of them costs more and its noise is a smaller part of what it times.
 LONG_REPEATS = 2
@@ -62,7 +58,7 @@ ROW_COUNTS = (1, 2, 4, 8, 16, 32)  # batch sizes timed (others interpolated)
 # Runs ahead timed to learn whether running ahead frees the host, and the least share of a forward
 # left running after async_eval returns (``Overlap``) for it to.
 OVERLAP_SAMPLES, RUN_AHEAD_OVERLAP = 3, 0.5
-KEPT_FORMAT = "dflash-mlx step costs 2"  # bump when what a kept calibration's figures mean changes
+KEPT_FORMAT = "dflash-mlx step costs 1"  # bump when what a kept calibration's figures mean changes
 # Prompt tokens per prefill forward a calibration times (the largest is mlx_lm's prefill step).
 PREFILL_CHUNKS = (128, 256, 512, 1024, 2048)
 PREFILL_FORMAT = "dflash-mlx prefill chunks 1"
@@ -95,13 +91,10 @@ class RowCosts:
 
 @dataclass
 class StepCosts:
-    """Seconds per decode step by rows, block size and context.
-
-    ``per_key``: from each timed context on (``SHORT_CONTEXT`` first) to the next, per block size
-    the seconds a verify row pays per context token; the default: costs that do not grow."""
+    """Seconds per decode step by rows, block size and context."""
 
     rows: dict[int, RowCosts]
-    per_key: dict[int, dict[int, float]] = field(default_factory=lambda: {SHORT_CONTEXT: {1: 0.0}})
+    per_key: dict[int, float]  # block size -> seconds per row per context token beyond SHORT_CONTEXT
     source: ClassVar[str] = "given"  # where the figures came from (``Costs.source``), for the stats
 
     def step_seconds(self, rows: int, block_size: int, draft: bool = True, context: float = SHORT_CONTEXT) -> float:
@@ -110,10 +103,7 @@ class StepCosts:
         def at(table: str) -> float:
             return interpolate({r: interpolate(getattr(c, table), block_size) for r, c in self.rows.items()}, rows)
 
-        starts = sorted(self.per_key)
-        keys = sum(max(min(context, end) - start, 0) * interpolate(self.per_key[start], block_size)
-                   for start, end in zip(starts, [*starts[1:], math.inf]))
-        seconds = at("verify") + rows * keys
+        seconds = at("verify") + rows * max(context - SHORT_CONTEXT, 0) * interpolate(self.per_key, block_size)
         return seconds + at("draft") if draft and block_size > 1 else seconds
 
     def ready(self, rows: int) -> "StepCosts":
@@ -206,19 +196,17 @@ def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = No
     return [RowCosts(v, drafts) for v in verify]
 
 
-def context_slopes(contexts: tuple[int, ...], timed: list[RowCosts]) -> dict[int, dict[int, float]]:
-    """``StepCosts.per_key`` from verify times ``timed`` after each of ``contexts`` tokens. A slope is
-    a difference of two timings, the noisiest figure of a calibration; more rows attend to the
-    same keys each, so a larger block's slope is taken to be at least a smaller one's (a 2-row
-    slope timed below the 1-row one once priced 2-row steps under plain ones at 8k tokens)."""
-    per_key = {}
-    for start, end, near, far in zip(contexts, contexts[1:], timed, timed[1:]):
-        slopes, steepest = {}, 0.0
-        for b in sorted(near.verify):
-            steepest = max(steepest, (far.verify[b] - near.verify[b]) / (end - start))
-            slopes[b] = steepest
-        per_key[start] = slopes
-    return per_key
+def context_slopes(short: RowCosts, long: RowCosts) -> dict[int, float]:
+    """Seconds per context token of a verify of each block size, from its times after
+    ``SHORT_CONTEXT`` and ``LONG_CONTEXT`` tokens. A slope is a difference of two timings, the
+    noisiest figure of a calibration; more rows attend to the same keys each, so a larger block's
+    slope is taken to be at least a smaller one's (a 2-row slope timed below the 1-row one once
+    priced 2-row steps under plain ones at 8k tokens)."""
+    slopes, steepest = {}, 0.0
+    for b in sorted(short.verify):
+        steepest = max(steepest, (long.verify[b] - short.verify[b]) / (LONG_CONTEXT - SHORT_CONTEXT))
+        slopes[b] = steepest
+    return slopes
 
 
 class Costs:
@@ -229,7 +217,7 @@ class Costs:
 
     def __init__(self, model: DFlashModel, use_metal: bool | None = None):
         self.model, self.use_metal = model, use_metal
-        settings = [CALIBRATION_SIZES, COPY_BLOCK_SIZE, SHORT_CONTEXT, LONG_CONTEXTS, LONG_REPEATS, ROW_COUNTS,
+        settings = [CALIBRATION_SIZES, COPY_BLOCK_SIZE, SHORT_CONTEXT, LONG_CONTEXT, LONG_REPEATS, ROW_COUNTS,
                     model.block_size]
         self.path, self.key, why_not = _kept_file(model, use_metal, KEPT_FORMAT, settings)
         table = _read(self.path, self.key, model.block_size) if self.path else None
@@ -237,9 +225,8 @@ class Costs:
             self.table, self.source = table, f"read from {self.path}"
             return
         tic = time.perf_counter()
-        contexts = (SHORT_CONTEXT, *LONG_CONTEXTS)
-        timed = calibrate(model, 1, use_metal=use_metal, contexts=contexts)
-        self.table = StepCosts({1: timed[0]}, context_slopes(contexts, timed))
+        short, long = calibrate(model, 1, use_metal=use_metal, contexts=(SHORT_CONTEXT, LONG_CONTEXT))
+        self.table = StepCosts({1: short}, context_slopes(short, long))
         why_not = why_not or self._write()
         self.source = (f"measured in {time.perf_counter() - tic:.1f} s, "
                        + (f"not kept ({why_not})" if why_not else f"kept in {self.path}"))
@@ -409,11 +396,10 @@ def _read(path: Path, key: str, max_block_size: int) -> StepCosts | None:
     try:
         rows = {int(r): RowCosts(_seconds_table(c["verify"]), _seconds_table(c["draft"]))
                 for r, c in data["rows"].items()}
-        table = StepCosts(rows, {int(c): _seconds_table(slopes) for c, slopes in data["per_key"].items()})
+        table = StepCosts(rows, _seconds_table(data["per_key"]))
         sizes = timed_sizes(max_block_size)
         drafted = [b for b in sizes if b <= max_block_size]
-        if 1 not in rows or not set(rows) <= set(ROW_COUNTS) or sorted(table.per_key) != [SHORT_CONTEXT, *LONG_CONTEXTS[:-1]] \
-                or any(sorted(slopes) != sizes for slopes in table.per_key.values()) \
+        if 1 not in rows or not set(rows) <= set(ROW_COUNTS) or sorted(table.per_key) != sizes \
                 or any(sorted(c.verify) != sizes or sorted(c.draft) != drafted for c in rows.values()):
             raise ValueError("its block sizes or row counts are not the ones a calibration times")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
