@@ -120,10 +120,10 @@ def test_a_seldom_right_copy_source_is_not_bet_long_blocks_on():
 
 
 def test_a_source_right_half_the_time_is_tried_again_after_a_few_misses():
-    """Run rates are EMAs remembering about (1 + decay) / (1 - decay) runs, so their optimism never
-    shrinks below what that many runs are worth, however many there were: a drafter right half the
-    time for a hundred steps, then wrong four times running, is tried again, not left idle while
-    the text turns predictable again."""
+    """The drafter's run rates are EMAs remembering about (1 + decay) / (1 - decay) runs, so its
+    optimism never shrinks below what that many runs are worth, however many there were: a drafter
+    right half the time for a hundred steps, then wrong four times running, is tried again, not
+    left idle while the text turns predictable again (copy classes keep the shrinking bonus)."""
     policy = BlockPolicy(8, SHORT)
     (r,) = rows(policy)
     for i in range(100):
