@@ -128,7 +128,6 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [q for length, n in zip(args.lengths, per_kind) for q in build_prompts(tokenizer, [length], n)]
     contexts = sorted({*CONTEXTS, max(len(q["ids"]) for q in prompts) + args.max_tokens})
     costs_module.costs(model)  # the kept calibration first: timing the table must not replace it
-    costs_module.LONG_REPEATS = args.repeats
     table = TimedTable(contexts, costs_module.calibrate(model, 1, repeats=args.repeats, contexts=tuple(contexts)))
     plain_ms = {c: round(1e3 * table.verify(1, c), 1) for c in contexts}
     shown = {c: [ms] + [round(table.verify(B, c) / table.verify(1, c), 2) for B in (2, 4, 8, 16)]

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import platform
+import statistics
 import time
 import weakref
 from bisect import bisect_left
@@ -51,14 +52,14 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
 # them, and long copies are the ones that pay.
 COPY_BLOCK_SIZE = 16
 SHORT_CONTEXT, LONG_CONTEXT = 128, 4096  # the two contexts a verify is timed at
-# Rounds the longer contexts are timed in: their steps take several times longer than a short
-# context's, so a round of them costs more and its noise is a smaller part of what it times.
-LONG_REPEATS = 2
+# Rounds a calibration of one row and of several rows times (after a warm-up round): odd, so that
+# a median is one of them.
+ROUNDS, BATCH_ROUNDS = 7, 3
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)  # batch sizes timed (others interpolated)
 # Runs ahead timed to learn whether running ahead frees the host, and the least share of a forward
 # left running after async_eval returns (``Overlap``) for it to.
 OVERLAP_SAMPLES, RUN_AHEAD_OVERLAP = 3, 0.5
-KEPT_FORMAT = "dflash-mlx step costs 1"  # bump when what a kept calibration's figures mean changes
+KEPT_FORMAT = "dflash-mlx step costs 2"  # bump when what a kept calibration's figures mean changes
 # Prompt tokens per prefill forward a calibration times (the largest is mlx_lm's prefill step).
 PREFILL_CHUNKS = (128, 256, 512, 1024, 2048)
 PREFILL_FORMAT = "dflash-mlx prefill chunks 1"
@@ -134,16 +135,19 @@ def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = No
     (the first run through the target, longer ones stretched from it: ``Target.stretch``), and the
     drafter forward after the first; one ``RowCosts`` per context.
 
-    Uses throw-away caches; the model is left as it was. Sizes and contexts are timed in interleaved
-    rounds and the fastest round kept: on a shared machine noise only ever adds time, and
-    interleaving spreads a busy spell over all of them (a context's slope is a difference of two
-    timings). Verify sizes go up to ``COPY_BLOCK_SIZE`` at least: copy-only steps and draft trees
-    verify more tokens per row than the drafter drafts.
+    Uses throw-away caches; the model is left as it was. Every size and context is timed once a
+    round, and each timing is taken relative to its round's plain forward after the first context:
+    a busy spell or a clock change scales a whole round, and the ratio cancels it. A figure is the
+    median of its rounds' ratios times the median plain forward, a typical step rather than the
+    fastest: timed as the fastest round each, a 2-core CPU's 8- and 16-row steps moved 6-10%
+    between calibrations taken minutes apart, as medians of ratios within 1%
+    (benchmarks/results/README.md). Verify sizes go up to ``COPY_BLOCK_SIZE`` at least: copy-only
+    steps and draft trees verify more tokens per row than the drafter drafts.
     """
     target, drafter = model.target, model.drafter
     ops = kernels.get_ops(use_metal)
     max_block_size = max_block_size or model.block_size
-    repeats = repeats or (5 if rows == 1 else 2)
+    repeats = repeats or (ROUNDS if rows == 1 else BATCH_ROUNDS)
     sizes = timed_sizes(max_block_size)
     head, greedy = target.head(drafter.vocab_rows), Greedy(ops)
     # Deterministic tokens: calibration must not consume the caller's random stream.
@@ -179,21 +183,26 @@ def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = No
         for c in draft_cache:
             c.trim(2)
 
-    verify = [{B: float("inf") for B in sizes} for _ in contexts]
-    drafts = {B: float("inf") for B in sizes if 1 < B <= max_block_size}
-    for i in range(repeats + 1):
-        warm_up = i == 0  # first calls pay for allocation and graph setup
-        for B in sizes:
-            for k in range(len(contexts) if i <= LONG_REPEATS else 1):
-                t = _seconds(lambda: run_verify(B, k))
-                verify[k][B] = verify[k][B] if warm_up else min(verify[k][B], t)
+    verify = [{B: [] for B in sizes} for _ in contexts]
+    drafts = {B: [] for B in sizes if 1 < B <= max_block_size}
+    for _ in range(repeats + 1):
+        for B in sizes:  # 1 first: the round's reference
+            for k in range(len(contexts)):
+                verify[k][B].append(_seconds(lambda: run_verify(B, k)))
             if B in drafts:
-                t = _seconds(lambda: run_draft(B))
-                drafts[B] = drafts[B] if warm_up else min(drafts[B], t)
-    drafts[1] = 0.0
+                drafts[B].append(_seconds(lambda: run_draft(B)))
+    # The first round is left out: its calls pay for allocation and graph setup.
+    plain = verify[0][1][1:]
+    draft = {B: typical(times[1:], plain) for B, times in drafts.items()} | {1: 0.0}
     # Not forced to grow with B: more rows can cost less (see CALIBRATION_SIZES), and then the
     # policy should take the larger block, which also holds more proposals.
-    return [RowCosts(v, drafts) for v in verify]
+    return [RowCosts({B: typical(times[1:], plain) for B, times in v.items()}, draft) for v in verify]
+
+
+def typical(times: list[float], plain: list[float]) -> float:
+    """Seconds of a forward timed once a round (``times``), from its ratios to the same rounds'
+    plain forward (``plain``): their median times the median plain forward (``calibrate``)."""
+    return statistics.median(plain) * statistics.median(t / p for t, p in zip(times, plain, strict=True))
 
 
 def context_slopes(short: RowCosts, long: RowCosts) -> dict[int, float]:
@@ -217,8 +226,8 @@ class Costs:
 
     def __init__(self, model: DFlashModel, use_metal: bool | None = None):
         self.model, self.use_metal = model, use_metal
-        settings = [CALIBRATION_SIZES, COPY_BLOCK_SIZE, SHORT_CONTEXT, LONG_CONTEXT, LONG_REPEATS, ROW_COUNTS,
-                    model.block_size]
+        settings = [CALIBRATION_SIZES, COPY_BLOCK_SIZE, SHORT_CONTEXT, LONG_CONTEXT, ROUNDS, BATCH_ROUNDS,
+                    ROW_COUNTS, model.block_size]
         self.path, self.key, why_not = _kept_file(model, use_metal, KEPT_FORMAT, settings)
         table = _read(self.path, self.key, model.block_size) if self.path else None
         if table is not None:

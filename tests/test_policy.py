@@ -238,6 +238,15 @@ def test_step_costs_interpolate():
     assert STEEP.step_seconds(1, 16, draft=False) == pytest.approx(15.0)
 
 
+def test_a_calibration_figure_is_moved_by_no_single_round():
+    plain = [1.0, 1.0, 1.6, 1.0, 1.0, 0.9, 1.0]  # round 3 slowed as a whole, round 6 ran fast
+    eight = [1.5, 1.5, 2.4, 1.2, 1.5, 1.35, 3.0]  # and one lucky and one busy timing of its own
+    assert costs_module.typical(eight, plain) == pytest.approx(1.5)
+    assert min(eight) / min(plain) != pytest.approx(1.5)  # what the fastest round of each said
+    with pytest.raises(ValueError):  # a timing from another number of rounds is a bug
+        costs_module.typical(eight[:-1], plain)
+
+
 def test_a_larger_block_never_gets_a_gentler_context_slope():
     span = costs_module.LONG_CONTEXT - costs_module.SHORT_CONTEXT
     short = RowCosts({1: 1.0, 2: 1.2, 4: 1.5, 8: 2.0}, {1: 0.0, 8: 0.1})
