@@ -63,6 +63,12 @@ class DraftTree:
     def shape(self) -> tuple[int, int]:
         return self.tokens.shape
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether every row is one branch of all N nodes (no padding): the tree a chain verify of
+        its tokens checks."""
+        return bool((self.parents[:, 1:] == np.arange(self.shape[1] - 1)).all())
+
     def first(self, n: int) -> "DraftTree":
         """Each row's first ``n`` nodes: ``build``'s tree for a smaller budget (it adds nodes best
         first, parents before children, so any prefix is the budget-best tree of its size)."""

@@ -27,6 +27,11 @@ Attention K/V of every node land in the cache after the row's prefix, in node or
 gathers the accepted path's rows to the front and drops the rest, so the cache then holds exactly
 what a chain of the committed tokens leaves (column = position again).
 
+A tree whose rows are all one branch (``DraftTree.is_chain``: a third to a half of the trees
+auto grows on short prompts) is verified as the chain it is, by the target's own causal forward,
+and committed by ``Target.rollback``: the swapped masks and per-token RoPE cost a tree forward
+about 5% over a chain forward of as many tokens on this CPU (benchmarks/results/README.md).
+
 Families whose tree forward tests/test_tree.py checks node by node against chains are listed in
 ``FAMILIES``; ``refusal`` says why any other target must verify chains.
 """
@@ -85,6 +90,7 @@ class TreeForward:
     starts: list[int]  # each row's cached length before the forward: the root's position
     # Gated DeltaNet layer index -> the layer's input and its projections' outputs, per node
     projections: dict[int, tuple[mx.array, dict[str, mx.array]]] = field(default_factory=dict)
+    chain: bool = False  # run as a chain verify: ``commit`` rolls the rest back
 
 
 class _TreeCache:
@@ -250,6 +256,9 @@ def verify(target: Target, cache: list, tree: DraftTree) -> TreeForward:
     starts = list(attention[0].lengths)
     if len(starts) != tree.shape[0]:
         raise DFlashError(f"a tree of {tree.shape[0]} rows for a cache of {len(starts)}")
+    if tree.is_chain:
+        logits, hidden = target(mx.array(tree.tokens), cache)
+        return TreeForward(tree, logits, hidden, starts, chain=True)
     sink: dict = {}
     with _tree_mode(target, cache, tree, starts, sink) as tree_cache:
         logits, hidden = target(mx.array(tree.tokens), tree_cache)
@@ -263,6 +272,9 @@ def commit(target: Target, cache: list, forward: TreeForward, paths: list[list[i
     M the longest path (the drafter's next context: row r's first ``len(paths[r])``)."""
     M = max(map(len, paths))
     index = mx.array([p + [p[-1]] * (M - len(p)) for p in paths])
+    if forward.chain:
+        target.rollback(cache, [forward.tree.shape[1] - len(p) for p in paths])
+        return mx.take_along_axis(forward.hidden, index[..., None], axis=1)
     attention = [c for c in cache if isinstance(c, RaggedKVCache)]
     for c in attention:
         c.compact(forward.starts, paths)

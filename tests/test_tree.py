@@ -274,18 +274,22 @@ def plain_logits(model, text: list[int]) -> mx.array:
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("shape", ["tree", "deep"])
+@pytest.mark.parametrize("shape", ["tree", "deep", "chain"])
 def test_tree_forward_equals_its_paths_as_chains(family, rows, shape):
     """Every node's logits equal mlx_lm's at the end of prompt + its path; after committing a
     path (off the top chain where there is one), the caches are what that text leaves: the next
     token's logits equal mlx_lm's, and the returned hidden states are the path's. ``deep``: a
-    chain and a two-branch tree deeper than gemma3_text's sliding window."""
+    chain and a two-branch tree deeper than gemma3_text's sliding window. ``chain``: every row one
+    branch of the same length, run as a chain verify, each row committing its own prefix."""
     name, model, target = family
     prompts = [PROMPT, PROMPT[3:16]][:rows]  # ragged: 20 and 13 tokens
     cache, _ = joined_cache(target, prompts)
     if shape == "tree":
         tree = trees.build(random_logits(rows, 5, V, seed=4), [9, 6][:rows], [7, 11][:rows], width=3)
         assert tree.depths.max() >= 2 and (tree.ranks > 0).any()
+    elif shape == "chain":
+        tree = trees._assemble([[(7 + r, -1, 0, -1, False)] + [(10 + i, i, i + 1, 0, False) for i in range(5)]
+                                for r in range(rows)])
     else:
         deep = [(7, -1, 0, -1, False)] + [(10 + i, i, i + 1, 0, False) for i in range(9)]
         # Nodes 10..15: a second branch leaving the chain under node 3, down to depth 9.
@@ -293,13 +297,15 @@ def test_tree_forward_equals_its_paths_as_chains(family, rows, shape):
         tree = trees._assemble([deep + branch, deep[:8]][:rows])
         assert tree.depths.max() > CONFIGS["gemma3_text"]["sliding_window"]
     forward = verify(target, cache, tree)
+    assert forward.chain == (shape == "chain")  # a ragged one-branch batch (deep, 2 rows) pads: a tree
     for r, prompt in enumerate(prompts):
         for leaf in range(1, tree.sizes[r]):
             path = ancestry(tree.parents[r], leaf)
             ref = plain_logits(model, prompt + [int(tree.tokens[r, j]) for j in path])[-len(path):]
             assert mx.allclose(forward.logits[r, mx.array(path)], ref, **TOL).item(), (name, r, leaf)
     # Commit a path through a second-ranked node where there is one, then one plain token.
-    paths = [ancestry(tree.parents[r], max(range(tree.sizes[r]), key=lambda i: (tree.ranks[r, i] > 0, tree.depths[r, i])))
+    paths = [ancestry(tree.parents[r], 2 + 3 * r if shape == "chain" else
+                      max(range(tree.sizes[r]), key=lambda i: (tree.ranks[r, i] > 0, tree.depths[r, i])))
              for r in range(rows)]
     hidden = commit(target, cache, forward, paths)
     for r, prompt in enumerate(prompts):
