@@ -31,7 +31,7 @@ import statistics
 import time
 import weakref
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -51,7 +51,11 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
 # Largest block of a copy-only step, and the nodes a draft tree may hold with auto: no drafter bounds
 # them, and long copies are the ones that pay.
 COPY_BLOCK_SIZE = 16
-SHORT_CONTEXT, LONG_CONTEXT = 128, 4096  # the two contexts a verify is timed at
+# The contexts a verify is timed at; priced linearly between them and past the last along the
+# last stretch. A verify's cost grows faster than linearly with the keys it reads here (2 rows:
+# 14 us a key up to 4k, 19 us from 4k to 8k), so a line through 128 and 4k alone priced 2-row steps
+# at 8k 7% under what they cost, and they lost to plain decoding there.
+SHORT_CONTEXT, LONG_CONTEXTS = 128, (4096, 8192)
 # Rounds a calibration of one row and of several rows times (after a warm-up round): odd, so that
 # a median is one of them.
 ROUNDS, BATCH_ROUNDS = 7, 3
@@ -92,10 +96,13 @@ class RowCosts:
 
 @dataclass
 class StepCosts:
-    """Seconds per decode step by rows, block size and context."""
+    """Seconds per decode step by rows, block size and context.
+
+    ``per_key``: from each timed context on (``SHORT_CONTEXT`` first) to the next, per block size
+    the seconds a verify row pays per context token; the default: costs that do not grow."""
 
     rows: dict[int, RowCosts]
-    per_key: dict[int, float]  # block size -> seconds per row per context token beyond SHORT_CONTEXT
+    per_key: dict[int, dict[int, float]] = field(default_factory=lambda: {SHORT_CONTEXT: {1: 0.0}})
     source: ClassVar[str] = "given"  # where the figures came from (``Costs.source``), for the stats
 
     def step_seconds(self, rows: int, block_size: int, draft: bool = True, context: float = SHORT_CONTEXT) -> float:
@@ -104,7 +111,10 @@ class StepCosts:
         def at(table: str) -> float:
             return interpolate({r: interpolate(getattr(c, table), block_size) for r, c in self.rows.items()}, rows)
 
-        seconds = at("verify") + rows * max(context - SHORT_CONTEXT, 0) * interpolate(self.per_key, block_size)
+        starts = sorted(self.per_key)
+        keys = sum(max(min(context, end) - start, 0) * interpolate(self.per_key[start], block_size)
+                   for start, end in zip(starts, [*starts[1:], math.inf]))
+        seconds = at("verify") + rows * keys
         return seconds + at("draft") if draft and block_size > 1 else seconds
 
     def ready(self, rows: int) -> "StepCosts":
@@ -205,17 +215,19 @@ def typical(times: list[float], plain: list[float]) -> float:
     return statistics.median(plain) * statistics.median(t / p for t, p in zip(times, plain, strict=True))
 
 
-def context_slopes(short: RowCosts, long: RowCosts) -> dict[int, float]:
-    """Seconds per context token of a verify of each block size, from its times after
-    ``SHORT_CONTEXT`` and ``LONG_CONTEXT`` tokens. A slope is a difference of two timings, the
-    noisiest figure of a calibration; more rows attend to the same keys each, so a larger block's
-    slope is taken to be at least a smaller one's (a 2-row slope timed below the 1-row one once
-    priced 2-row steps under plain ones at 8k tokens)."""
-    slopes, steepest = {}, 0.0
-    for b in sorted(short.verify):
-        steepest = max(steepest, (long.verify[b] - short.verify[b]) / (LONG_CONTEXT - SHORT_CONTEXT))
-        slopes[b] = steepest
-    return slopes
+def context_slopes(contexts: tuple[int, ...], timed: list[RowCosts]) -> dict[int, dict[int, float]]:
+    """``StepCosts.per_key`` from verify times ``timed`` after each of ``contexts`` tokens. A slope is
+    a difference of two timings, the noisiest figure of a calibration; more rows attend to the
+    same keys each, so a larger block's slope is taken to be at least a smaller one's (a 2-row
+    slope timed below the 1-row one once priced 2-row steps under plain ones at 8k tokens)."""
+    per_key = {}
+    for start, end, near, far in zip(contexts, contexts[1:], timed, timed[1:]):
+        slopes, steepest = {}, 0.0
+        for b in sorted(near.verify):
+            steepest = max(steepest, (far.verify[b] - near.verify[b]) / (end - start))
+            slopes[b] = steepest
+        per_key[start] = slopes
+    return per_key
 
 
 class Costs:
@@ -226,7 +238,7 @@ class Costs:
 
     def __init__(self, model: DFlashModel, use_metal: bool | None = None):
         self.model, self.use_metal = model, use_metal
-        settings = [CALIBRATION_SIZES, COPY_BLOCK_SIZE, SHORT_CONTEXT, LONG_CONTEXT, ROUNDS, BATCH_ROUNDS,
+        settings = [CALIBRATION_SIZES, COPY_BLOCK_SIZE, SHORT_CONTEXT, LONG_CONTEXTS, ROUNDS, BATCH_ROUNDS,
                     ROW_COUNTS, model.block_size]
         self.path, self.key, why_not = _kept_file(model, use_metal, KEPT_FORMAT, settings)
         table = _read(self.path, self.key, model.block_size) if self.path else None
@@ -234,8 +246,9 @@ class Costs:
             self.table, self.source = table, f"read from {self.path}"
             return
         tic = time.perf_counter()
-        short, long = calibrate(model, 1, use_metal=use_metal, contexts=(SHORT_CONTEXT, LONG_CONTEXT))
-        self.table = StepCosts({1: short}, context_slopes(short, long))
+        contexts = (SHORT_CONTEXT, *LONG_CONTEXTS)
+        timed = calibrate(model, 1, use_metal=use_metal, contexts=contexts)
+        self.table = StepCosts({1: timed[0]}, context_slopes(contexts, timed))
         why_not = why_not or self._write()
         self.source = (f"measured in {time.perf_counter() - tic:.1f} s, "
                        + (f"not kept ({why_not})" if why_not else f"kept in {self.path}"))
@@ -405,10 +418,11 @@ def _read(path: Path, key: str, max_block_size: int) -> StepCosts | None:
     try:
         rows = {int(r): RowCosts(_seconds_table(c["verify"]), _seconds_table(c["draft"]))
                 for r, c in data["rows"].items()}
-        table = StepCosts(rows, _seconds_table(data["per_key"]))
+        table = StepCosts(rows, {int(c): _seconds_table(slopes) for c, slopes in data["per_key"].items()})
         sizes = timed_sizes(max_block_size)
         drafted = [b for b in sizes if b <= max_block_size]
-        if 1 not in rows or not set(rows) <= set(ROW_COUNTS) or sorted(table.per_key) != sizes \
+        if 1 not in rows or not set(rows) <= set(ROW_COUNTS) or sorted(table.per_key) != [SHORT_CONTEXT, *LONG_CONTEXTS[:-1]] \
+                or any(sorted(slopes) != sizes for slopes in table.per_key.values()) \
                 or any(sorted(c.verify) != sizes or sorted(c.draft) != drafted for c in rows.values()):
             raise ValueError("its block sizes or row counts are not the ones a calibration times")
     except (ValueError, KeyError, TypeError, AttributeError) as e:

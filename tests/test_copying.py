@@ -112,7 +112,7 @@ def test_policies_pick_the_source_that_is_accepted_further():
     row.copy = None
     assert fixed.plan([row]).draft  # nothing to copy: draft
 
-    flat = StepCosts({1: RowCosts({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.2, 16: 0.3})}, {1: 0.0})
+    flat = StepCosts({1: RowCosts({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.2, 16: 0.3})})
     adaptive = BlockPolicy(8, flat)
     row = PolicyRow(adaptive.acceptance())
     long = Copy(list(range(15)), match=9)
@@ -125,13 +125,13 @@ def test_policies_pick_the_source_that_is_accepted_further():
 
     # OpenBLAS on x86: 16 rows cost less than 12. A copy accepted for 11 tokens then takes 16 rows
     # (cheaper than 12, as many tokens); were 16 priced as 12, 8 rows would win.
-    dip = StepCosts({1: RowCosts({1: 1.0, 8: 1.5, 12: 2.4, 16: 1.5}, {1: 0.0, 2: 0.2, 16: 0.3})}, {1: 0.0})
+    dip = StepCosts({1: RowCosts({1: 1.0, 8: 1.5, 12: 2.4, 16: 1.5}, {1: 0.0, 2: 0.2, 16: 0.3})})
     adaptive = BlockPolicy(8, dip)
     row = PolicyRow(adaptive.acceptance())
     learn(adaptive, row, long, list(range(11)) + [99])
     row.copy = long
     assert adaptive.plan([row]).block_size == 16
-    adaptive.costs = StepCosts({1: RowCosts({1: 1.0, 8: 1.5, 12: 2.4, 16: 2.4}, dip.rows[1].draft)}, {1: 0.0})
+    adaptive.costs = StepCosts({1: RowCosts({1: 1.0, 8: 1.5, 12: 2.4, 16: 2.4}, dip.rows[1].draft)})
     assert adaptive.plan([row]).block_size == 8
 
 
@@ -173,7 +173,7 @@ def test_greedy_with_copies_matches_mlx_lm(family, block_size, drafter):
     copied = copy_steps = 0
     for prompt, ref in zip(prompts, refs):
         pair = model if drafter == "random" else DFlashModel(model.target, OracleDrafter(model.drafter, prompt + ref, 5))
-        flat = StepCosts({1: RowCosts({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.1, 16: 0.2})}, {1: 0.0})
+        flat = StepCosts({1: RowCosts({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.1, 16: 0.2})})
         policy = BlockPolicy(16, flat) if block_size == "auto" else block_size
         responses = list(stream_generate(pair, tokenizer, prompt, 40, block_size=policy))
         out = [r.token for r in responses]

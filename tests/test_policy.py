@@ -18,13 +18,13 @@ from dflash_mlx.copying import Copy
 from dflash_mlx.policy import BlockPolicy, Plan, make_policy
 
 # Step cost in units of one plain decoding step, one row.
-STEEP = StepCosts({1: RowCosts({1: 1.0, 2: 1.9, 4: 3.7, 8: 7.4, 16: 15.0}, {1: 0.0, 2: 0.3, 16: 0.6})}, {1: 0.0})
-FLAT = StepCosts({1: RowCosts({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.1, 16: 0.15})}, {1: 0.0})
+STEEP = StepCosts({1: RowCosts({1: 1.0, 2: 1.9, 4: 3.7, 8: 7.4, 16: 15.0}, {1: 0.0, 2: 0.3, 16: 0.6})})
+FLAT = StepCosts({1: RowCosts({1: 1.0, 16: 1.3}, {1: 0.0, 2: 0.1, 16: 0.15})})
 # A step's cost as timed on this CPU after 4k and 8k tokens of context, the context already in it.
-AFTER_4K = StepCosts({1: RowCosts({1: 1.0, 2: 1.24, 4: 1.7, 8: 2.4, 16: 3.7}, {1: 0.0, 2: 0.05, 16: 0.1})}, {1: 0.0})
-AFTER_8K = StepCosts({1: RowCosts({1: 1.0, 2: 1.32, 4: 1.86, 8: 2.75, 16: 4.37}, {1: 0.0, 2: 0.05, 16: 0.1})}, {1: 0.0})
+AFTER_4K = StepCosts({1: RowCosts({1: 1.0, 2: 1.24, 4: 1.7, 8: 2.4, 16: 3.7}, {1: 0.0, 2: 0.05, 16: 0.1})})
+AFTER_8K = StepCosts({1: RowCosts({1: 1.0, 2: 1.32, 4: 1.86, 8: 2.75, 16: 4.37}, {1: 0.0, 2: 0.05, 16: 0.1})})
 # After a short prompt: a verify row costs little more than the first (this CPU, a 128-token context).
-SHORT = StepCosts({1: RowCosts({1: 1.0, 2: 1.2, 4: 1.35, 8: 1.5, 16: 1.65}, {1: 0.0, 2: 0.05, 16: 0.1})}, {1: 0.0})
+SHORT = StepCosts({1: RowCosts({1: 1.0, 2: 1.2, 4: 1.35, 8: 1.5, 16: 1.65}, {1: 0.0, 2: 0.05, 16: 0.1})})
 
 
 def rows(policy: BlockPolicy, n: int = 1, **kwargs) -> list[PolicyRow]:
@@ -71,7 +71,7 @@ def test_high_acceptance_uses_large_blocks():
 
 def test_policy_grows_the_block_when_everything_is_accepted():
     # Costs as measured on a CPU: the prior alone makes block 2 look best at first.
-    table = StepCosts({1: RowCosts({1: 1.0, 2: 1.0, 4: 2.0, 8: 1.8, 16: 2.6}, {1: 0.0, 2: 0.04, 16: 0.1})}, {1: 0.0})
+    table = StepCosts({1: RowCosts({1: 1.0, 2: 1.0, 4: 2.0, 8: 1.8, 16: 2.6}, {1: 0.0, 2: 0.04, 16: 0.1})})
     policy = BlockPolicy(16, table)
     (r,) = rows(policy)
     planned = []
@@ -82,7 +82,7 @@ def test_policy_grows_the_block_when_everything_is_accepted():
 
 
 def test_policy_recovers_from_an_unlucky_first_step():
-    table = StepCosts({1: RowCosts({1: 1.0, 2: 1.2, 4: 1.3, 8: 1.7, 16: 2.0}, {1: 0.0, 2: 0.1, 16: 0.3})}, {1: 0.0})
+    table = StepCosts({1: RowCosts({1: 1.0, 2: 1.2, 4: 1.3, 8: 1.7, 16: 2.0}, {1: 0.0, 2: 0.1, 16: 0.3})})
     policy = BlockPolicy(16, table)
     (r,) = rows(policy)
     r.acceptance.drafter.observe(3, 2)  # rejected at position 2 once...
@@ -138,7 +138,7 @@ def test_more_rows_take_smaller_blocks():
     table = StepCosts({
         1: RowCosts({1: 1.0, 4: 1.05, 8: 1.1}, {1: 0.0, 8: 0.05}),  # one row: nearly flat
         8: RowCosts({1: 8.0, 2: 8.8, 4: 12.0, 8: 24.0}, {1: 0.0, 8: 0.8}),  # 8 rows: compute-bound
-    }, {1: 0.0})
+    })
     # Every row accepts each proposal with probability 0.8 (no optimism: the rates as they are).
     policy = BlockPolicy(8, table, prior=0.8, optimism=0.0)
     assert policy.plan(rows(policy, 1)).block_size == 8
@@ -151,7 +151,7 @@ def test_a_closed_batch_drafts_for_its_slowest_row():
     every row's tokens. A batch with none waiting ends when its slowest row does: one row the
     drafter cannot predict makes it decode plainly, unless that row is about to end anyway."""
     row_costs = RowCosts({1: 1.0, 2: 1.2}, {1: 0.0, 2: 0.05})
-    policy = BlockPolicy(2, StepCosts({1: row_costs, 8: row_costs}, {1: 0.0}), prior=0.6, optimism=0.0,
+    policy = BlockPolicy(2, StepCosts({1: row_costs, 8: row_costs}), prior=0.6, optimism=0.0,
                          timed=False)
     rs = rows(policy, 8)
     for _ in range(20):  # the drafter keeps missing this row's first proposal
@@ -179,8 +179,8 @@ def test_one_row_plans_alike_with_or_without_requests_waiting(fraction, table):
 def test_a_long_context_takes_smaller_blocks():
     """A verify row's cost grows with the keys it attends to: the same acceptance buys a large block
     after a short prompt and a small one (or none) after a long one."""
-    table = StepCosts({1: RowCosts({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}, {1: 0.0, 8: 0.1})},
-                      {1: 0.0001, 2: 0.0004, 4: 0.001, 8: 0.0025})  # per row per context token
+    table = StepCosts({1: RowCosts({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}, {1: 0.0, 8: 0.1})},  # per context token:
+                      {costs_module.SHORT_CONTEXT: {1: 0.0001, 2: 0.0004, 4: 0.001, 8: 0.0025}})
     policy = BlockPolicy(8, table, prior=0.6, optimism=0.0)
     short, long = policy.plan(rows(policy)).block_size, policy.plan(rows(policy, context=4096)).block_size
     assert short >= 4 and long < short
@@ -192,7 +192,7 @@ def test_timed_policy_follows_observed_step_times():
     next forward early is timed as a whole; a step after rows joined or left is not timed; one row
     is never timed."""
     table = StepCosts({1: RowCosts({1: 1.0, 2: 1.05}, {1: 0.0, 2: 0.05}),
-                       8: RowCosts({1: 1.0, 2: 1.05}, {1: 0.0, 2: 0.05})}, {1: 0.0})
+                       8: RowCosts({1: 1.0, 2: 1.05}, {1: 0.0, 2: 0.05})})
     policy = BlockPolicy(2, table, prior=0.25, optimism=0.0)
     rs = rows(policy, 8)
     assert policy.plan(rs).block_size == 2  # 1.25 tokens per row for 1.1 s against 1 for 1.0 s
@@ -214,7 +214,7 @@ def test_a_step_whose_anchors_ran_ahead_pays_a_second_forward_for_its_proposals(
     that turns up since is verified in a second forward. A copy worth a block from scratch is then
     worth it only if it goes far, and the step is timed against both forwards."""
     row_costs = RowCosts({1: 1.0, 2: 1.1, 8: 1.4, 16: 2.0}, {1: 0.0, 2: 0.1, 8: 0.2})
-    policy = BlockPolicy(8, StepCosts({1: row_costs, 8: row_costs}, {1: 0.0}), optimism=0.0)
+    policy = BlockPolicy(8, StepCosts({1: row_costs, 8: row_costs}), optimism=0.0)
     for n in (1, 8):
         rs = rows(policy, n, copy=Copy(list(range(7)), match=4))
         for r in rs:
@@ -248,15 +248,29 @@ def test_a_calibration_figure_is_moved_by_no_single_round():
 
 
 def test_a_larger_block_never_gets_a_gentler_context_slope():
-    span = costs_module.LONG_CONTEXT - costs_module.SHORT_CONTEXT
+    contexts = (128, 4096, 8192)
     short = RowCosts({1: 1.0, 2: 1.2, 4: 1.5, 8: 2.0}, {1: 0.0, 8: 0.1})
-    # The 2-row step timed faster after the long context than the 1-row one: noise.
-    long = RowCosts({1: 1.0 + 0.4 * span, 2: 1.2 + 0.3 * span, 4: 1.5 + 0.8 * span, 8: 2.0 + 0.6 * span}, short.draft)
-    slopes = costs_module.context_slopes(short, long)
-    assert slopes == pytest.approx({1: 0.4, 2: 0.4, 4: 0.8, 8: 0.8})
-    table = StepCosts({1: short}, slopes)
-    at = costs_module.SHORT_CONTEXT + 2 * span
-    assert table.step_seconds(1, 2, False, at) > table.step_seconds(1, 1, False, at)
+    # The 2-row step timed faster after 4k tokens than the 1-row one: noise.
+    slopes = {1: 0.4, 2: 0.3, 4: 0.8, 8: 0.6}
+    at_4k = RowCosts({b: t + slopes[b] * 3968 for b, t in short.verify.items()}, short.draft)
+    at_8k = RowCosts({b: t + 2 * slopes[b] * 4096 for b, t in at_4k.verify.items()}, short.draft)
+    per_key = costs_module.context_slopes(contexts, [short, at_4k, at_8k])
+    assert per_key == {128: pytest.approx({1: 0.4, 2: 0.4, 4: 0.8, 8: 0.8}),
+                       4096: pytest.approx({1: 0.8, 2: 0.8, 4: 1.6, 8: 1.6})}
+    table = StepCosts({1: short}, per_key)
+    assert table.step_seconds(1, 2, False, 8192) > table.step_seconds(1, 1, False, 8192)
+
+
+def test_step_costs_follow_each_stretch_of_context_timed():
+    """Priced linearly between the contexts timed and past the last along the last stretch: a
+    verify that grows faster after 4k tokens is priced at 8k as timed there, not along the line
+    through 128 and 4k."""
+    table = StepCosts({1: RowCosts({1: 1.0, 2: 1.1}, {1: 0.0, 2: 0.05})},
+                      {128: {1: 1e-4, 2: 1.5e-4}, 4096: {1: 1e-4, 2: 2e-4}})
+    assert table.step_seconds(1, 2, False, 64) == pytest.approx(1.1)
+    assert table.step_seconds(1, 2, False, 4096) == pytest.approx(1.1 + 3968 * 1.5e-4)
+    assert table.step_seconds(1, 2, False, 8192) == pytest.approx(1.1 + 3968 * 1.5e-4 + 4096 * 2e-4)
+    assert table.step_seconds(2, 1, False, 12288) == pytest.approx(1.0 + 2 * (3968 + 8192) * 1e-4)
 
 
 def test_context_cache_keeps_start_and_recent_rows():
