@@ -149,8 +149,8 @@ def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = No
     round, and each timing is taken relative to its round's plain forward after the first context:
     a busy spell or a clock change scales a whole round, and the ratio cancels it. A figure is the
     median of its rounds' ratios times the median plain forward, a typical step rather than the
-    fastest: timed as the fastest round each, a 2-core CPU's 8- and 16-row steps moved 6-10%
-    between calibrations taken minutes apart, as medians of ratios within 1%
+    fastest: with each size's fastest round, an 8-row step's price on a 2-core CPU moved 5-7%
+    between calibrations taken minutes apart, and about 1% as a median of ratios
     (benchmarks/results/README.md). Verify sizes go up to ``COPY_BLOCK_SIZE`` at least: copy-only
     steps and draft trees verify more tokens per row than the drafter drafts.
     """
