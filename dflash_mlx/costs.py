@@ -2,14 +2,14 @@
 
 A step of R rows verifies B tokens per row in one target forward, after one drafter forward that
 drafted them (none for a plain step, B = 1, or a copy-only one). ``calibrate`` times both for a few
-block sizes after a short context, and the target forward again after a long one: a verify row's
+block sizes after a short context, and the target forward again after longer ones: a verify row's
 cost grows with the keys it attends to, so a step is priced at the context in use (``StepCosts``,
-linear in between and beyond). Row counts are timed as the engine first runs them (``Costs``).
+linear between the contexts timed and beyond). Row counts are timed as the engine first runs them (``Costs``).
 ``Drift`` keeps the ratio of observed to calibrated step times, for multi-row steps, whose few
 calibration rounds are the noisiest and miss each row's own per-step work.
 
 A calibration is kept on disk (``calibration_dir()``, one JSON file per key), so that only a pair's
-first process on a machine pays for it (seconds on a CPU): the key names the pair's configs and
+first process on a machine pays for it: the key names the pair's configs and
 weights, this machine, the kernels, the software and the calibration's own settings, and a file
 whose key, format or figures are not what they should be is skipped with a log line and replaced by
 a fresh calibration. Removing the folder makes the next process measure again.
@@ -52,10 +52,10 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 32)
 # them, and long copies are the ones that pay.
 COPY_BLOCK_SIZE = 16
 # The contexts a verify is timed at; priced linearly between them and past the last along the
-# last stretch. A verify's cost grows faster than linearly with the keys it reads here (2 rows:
-# 14 us a key up to 4k, 19 us from 4k to 8k), so a line through 128 and 4k alone priced 2-row steps
-# at 8k 7% under what they cost, and they lost to plain decoding there.
+# last stretch. A verify's cost per key grows past 4k tokens on a CPU, so a line through 128 and 4k
+# alone priced 2-row steps at 8k under what they cost (benchmarks/results/README.md, twentieth stop).
 SHORT_CONTEXT, LONG_CONTEXTS = 128, (4096, 8192)
+CONTEXTS = (SHORT_CONTEXT, *LONG_CONTEXTS)
 # Rounds a calibration of one row and of several rows times (after a warm-up round): odd, so that
 # a median is one of them.
 ROUNDS, BATCH_ROUNDS = 7, 3
@@ -149,9 +149,8 @@ def calibrate(model: DFlashModel, rows: int = 1, max_block_size: int | None = No
     round, and each timing is taken relative to its round's plain forward after the first context:
     a busy spell or a clock change scales a whole round, and the ratio cancels it. A figure is the
     median of its rounds' ratios times the median plain forward, a typical step rather than the
-    fastest: with each size's fastest round, an 8-row step's price on a 2-core CPU moved 5-7%
-    between calibrations taken minutes apart, and about 1% as a median of ratios
-    (benchmarks/results/README.md). Verify sizes go up to ``COPY_BLOCK_SIZE`` at least: copy-only
+    fastest, and steadier from one calibration to the next than each size's fastest round
+    (benchmarks/results/README.md, twenty-first stop). Verify sizes go up to ``COPY_BLOCK_SIZE`` at least: copy-only
     steps and draft trees verify more tokens per row than the drafter drafts.
     """
     target, drafter = model.target, model.drafter
@@ -246,9 +245,8 @@ class Costs:
             self.table, self.source = table, f"read from {self.path}"
             return
         tic = time.perf_counter()
-        contexts = (SHORT_CONTEXT, *LONG_CONTEXTS)
-        timed = calibrate(model, 1, use_metal=use_metal, contexts=contexts)
-        self.table = StepCosts({1: timed[0]}, context_slopes(contexts, timed))
+        timed = calibrate(model, 1, use_metal=use_metal, contexts=CONTEXTS)
+        self.table = StepCosts({1: timed[0]}, context_slopes(CONTEXTS, timed))
         why_not = why_not or self._write()
         self.source = (f"measured in {time.perf_counter() - tic:.1f} s, "
                        + (f"not kept ({why_not})" if why_not else f"kept in {self.path}"))
@@ -421,7 +419,7 @@ def _read(path: Path, key: str, max_block_size: int) -> StepCosts | None:
         table = StepCosts(rows, {int(c): _seconds_table(slopes) for c, slopes in data["per_key"].items()})
         sizes = timed_sizes(max_block_size)
         drafted = [b for b in sizes if b <= max_block_size]
-        if 1 not in rows or not set(rows) <= set(ROW_COUNTS) or sorted(table.per_key) != [SHORT_CONTEXT, *LONG_CONTEXTS[:-1]] \
+        if 1 not in rows or not set(rows) <= set(ROW_COUNTS) or sorted(table.per_key) != list(CONTEXTS[:-1]) \
                 or any(sorted(slopes) != sizes for slopes in table.per_key.values()) \
                 or any(sorted(c.verify) != sizes or sorted(c.draft) != drafted for c in rows.values()):
             raise ValueError("its block sizes or row counts are not the ones a calibration times")

@@ -27,10 +27,10 @@ Attention K/V of every node land in the cache after the row's prefix, in node or
 gathers the accepted path's rows to the front and drops the rest, so the cache then holds exactly
 what a chain of the committed tokens leaves (column = position again).
 
-A tree whose rows are all one branch (``DraftTree.is_chain``: a third to a half of the trees
-auto grows on short prompts) is verified as the chain it is, by the target's own causal forward,
-and committed by ``Target.rollback``: the swapped masks and per-token RoPE cost a tree forward
-about 5% over a chain forward of as many tokens on this CPU (benchmarks/results/README.md).
+A tree whose rows are all one branch (``DraftTree.is_chain``, common at small budgets) is
+verified as the chain it is, by the target's own causal forward, and committed by
+``Target.rollback``: the swapped masks and per-token RoPE make a tree forward dearer than a chain
+forward of as many tokens (benchmarks/results/README.md, twenty-first stop).
 
 Families whose tree forward tests/test_tree.py checks node by node against chains are listed in
 ``FAMILIES``; ``refusal`` says why any other target must verify chains.
@@ -272,19 +272,19 @@ def commit(target: Target, cache: list, forward: TreeForward, paths: list[list[i
     M the longest path (the drafter's next context: row r's first ``len(paths[r])``)."""
     M = max(map(len, paths))
     index = mx.array([p + [p[-1]] * (M - len(p)) for p in paths])
+
+    def along(a: mx.array) -> mx.array:
+        return mx.take_along_axis(a, index.reshape(*index.shape, *[1] * (a.ndim - 2)), axis=1)
+
     if forward.chain:
         target.rollback(cache, [forward.tree.shape[1] - len(p) for p in paths])
-        return mx.take_along_axis(forward.hidden, index[..., None], axis=1)
+        return along(forward.hidden)
     attention = [c for c in cache if isinstance(c, RaggedKVCache)]
     for c in attention:
         c.compact(forward.starts, paths)
     # Moved now, on their own: left to the next forward's graph, the same moves cost that step
     # several times more, growing with the context (benchmarks/results/README.md, fourth stop).
     mx.async_eval([x for c in attention for x in (c.keys, c.values)])
-
-    def along(a: mx.array) -> mx.array:
-        return mx.take_along_axis(a, index.reshape(*index.shape, *[1] * (a.ndim - 2)), axis=1)
-
     for i, (x, outputs) in forward.projections.items():
         record = {name: (along(x), along(y)) for name, y in outputs.items()}
         replay(target.cache_policy.mixers[i], cache[i], record, [len(p) for p in paths])
