@@ -27,7 +27,6 @@ prompt cache (``cache/prompt.py``). The engine is not thread-safe: one thread ca
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -62,8 +61,9 @@ class Engine:
     drafter's. max_rows: most rows decoded together; more requests wait. prefill_step_size: most
     prompt tokens of a request per prefill forward, of all requests sharing one, and per step while
     rows decode; None: a request's chunks are the size this machine prefills fastest
-    (``costs.PrefillChunks``), in forwards of up to ``PREFILL_STEP_SIZE`` tokens
-    (``DECODING_PREFILL_STEP`` per step while rows decode). prompt_cache: a ``PromptCache`` whose
+    (``costs.PrefillChunks``), in forwards of up to ``PREFILL_STEP_SIZE`` tokens, one forward a
+    step (``DECODING_PREFILL_STEP`` tokens a step while rows decode): a long prompt's request may
+    be cancelled, or the engine stopped, between its forwards. prompt_cache: a ``PromptCache`` whose
     entries requests start from and leaving rows are saved to (None: no reuse). draft_window:
     ``(keep, recent)`` bounds the drafter's context (``Drafter.make_cache``), ``"auto"`` (the
     default) the window the drafter records (``DrafterArgs.context_window``), None none.
@@ -216,9 +216,10 @@ class Engine:
         return True
 
     def step(self) -> list[TokenEvent]:
-        """Prefill queued prompts (up to ``decoding_prefill`` tokens while rows decode), then one draft-verify
-        step over every running row; a prompt finished while none decoded sends its first token at once, as
-        mlx_lm's does after prefill (rows decoding never wait for one joining them). Returns the tokens."""
+        """Prefill queued prompts (one forward while no row decodes, up to ``decoding_prefill`` tokens while
+        rows do), then one draft-verify step over every running row; a prompt finished while none decoded
+        sends its first token at once, as mlx_lm's does after prefill (rows decoding never wait for one
+        joining them). Returns the tokens."""
         events: list[TokenEvent] = []
         decoding = bool(self.rows)
         self._join(events)
@@ -230,7 +231,9 @@ class Engine:
     # -- 1. join ------------------------------------------------------------
 
     def _join(self, events: list[TokenEvent]) -> None:
-        budget = self.decoding_prefill if self.rows else math.inf
+        # With nothing decoding, one forward: a cancel or a stop is then seen between a long prompt's forwards.
+        idle = not self.rows
+        budget = self.prefill_step_size if idle else self.decoding_prefill
         while self.pending and budget > 0 and len(self.rows) < self.max_rows and self.ahead is None:
             tic = time.perf_counter()
             chunks, room = [], min(budget, self.prefill_step_size)  # free rows' requests share a forward
@@ -257,6 +260,8 @@ class Engine:
                     started.append((row, token, logprobs))
             self._start(started, events)
             self.stats.prompt_time += time.perf_counter() - tic
+            if idle:
+                break
 
     def _absorb(self, row: Row, start: int, hidden: mx.array) -> None:
         """The drafter takes in a prompt chunk at positions ``start``.. as context: only the rows its

@@ -125,6 +125,26 @@ def test_rows_join_mid_run_and_cancelled_rows_leave(family):
     assert engine.idle and engine.cache is None
 
 
+def test_a_long_prompt_takes_one_forward_a_step_and_may_be_cancelled_between(family):
+    """With nothing decoding, a step still prefills one forward only: a server sees a cancelled
+    request (or a shutdown) between a long prompt's forwards, not after all of them."""
+    model, _, prompts, refs = family
+    engine, oracle = oracle_engine(model, prefill_step_size=8)
+    prompt = prompts[2]
+    assert len(prompt) > 16
+    dropped = add(engine, oracle, prompt, refs[2], 0, MAX_TOKENS[2])
+    assert engine.step() == [] and engine.pending[0].prefilled == 8
+    assert engine.cancel(dropped) and engine.idle
+    kept = add(engine, oracle, prompt, refs[2], 3, MAX_TOKENS[2])
+    events = {}
+    steps = 0
+    while not events:
+        step(engine, events)
+        steps += 1
+    assert steps == -(-len(prompt) // 8)  # one forward a step, the first token with the last
+    assert [e.token for e in collect(engine, events)[kept]] == refs[2]
+
+
 def test_logits_processors_stops_and_logprobs_are_per_request(family):
     model, _, prompts, refs = family
     penalty = [make_repetition_penalty(1.5, 20)]
@@ -238,15 +258,16 @@ def test_a_joining_request_does_not_hold_back_the_rows_decoding(family):
 
 
 def test_prefill_budget_holds_only_while_rows_decode(family):
-    """An idle engine prefills every request that fits in one step (nothing waits on it); a
-    request joining running rows gets at most prefill_step_size prompt tokens per step."""
+    """A request joining running rows gets at most prefill_step_size prompt tokens per step (an idle
+    engine's one forward a step: test_a_long_prompt_takes_one_forward_a_step_and_may_be_cancelled_between)."""
     model, _, prompts, refs = family
     engine, oracle = oracle_engine(model, block_size=4, prefill_step_size=4)
     first, then = (0, 1, 4), 2  # prompts of 5, 44 and 37 tokens; then one of 63
     uids = [add(engine, oracle, prompts[i], refs[i], 3, MAX_TOKENS[i]) for i in first]
     events = {}
-    step(engine, events)
-    assert engine.uids == uids and not engine.pending
+    while engine.pending:
+        step(engine, events)
+    assert engine.rows  # still decoding when the next request comes
     late = add(engine, oracle, prompts[then], refs[then], 3, MAX_TOKENS[then])
     step(engine, events)
     assert engine.pending and engine.pending[0].prefilled == 4 < len(prompts[then])
