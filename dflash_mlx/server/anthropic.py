@@ -34,8 +34,8 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def _cache_control(value: dict, info: ServerInfo) -> dict:
-    if value.get("type") != "ephemeral":
+def _cache_control(value: Any, info: ServerInfo | None) -> dict:
+    if not isinstance(value, dict) or value.get("type") != "ephemeral":
         raise RequestError(400, 'cache_control must be {"type": "ephemeral"}', "cache_control")
     return value
 
@@ -147,7 +147,7 @@ def _text(value: Any, where: str) -> str:
 def _block(block: Any, where: str, kinds: set[str]) -> dict:
     """One content block, checked: a kind in ``kinds`` with its fields of the right types and no others."""
     kind = block.get("type") if isinstance(block, dict) else None
-    if kind not in BLOCK_KEYS:
+    if not isinstance(kind, str) or kind not in BLOCK_KEYS:
         shown = kind if isinstance(kind, str) else type(block).__name__
         raise RequestError(400, f"{where} is a {shown!r} block: this server serves a text model and takes only text, "
                                 "tool_use, tool_result and thinking blocks", "messages")

@@ -212,7 +212,7 @@ FIELDS = {f.name: f for f in [
     Field("max_tokens", int, lo=1, check=max_tokens_check("max_tokens")),
     Field("max_completion_tokens", int, lo=1, check=max_tokens_check("max_completion_tokens")),
     Field("temperature", NUMBER, 0.0, lo=0, hi=100, tiny=1e-6),
-    Field("top_p", NUMBER, 1.0, lo=0, hi=1, above=True),
+    Field("top_p", NUMBER, 1.0, lo=0, hi=1, above=True, tiny=1e-30),
     Field("top_k", int, 0, lo=0),
     Field("min_p", NUMBER, 0.0, lo=0, hi=1),
     Field("xtc_probability", NUMBER, 0.0, lo=0, hi=1),
@@ -280,7 +280,8 @@ def check_field(f: Field, value: Any, info: "ServerInfo") -> Any:
     if (f.lo is not None and (size < f.lo or (f.above and size == f.lo))) or (f.hi is not None and size > f.hi):
         raise RequestError(400, f"{f.name} must be {_bounds(f)}{' entries' if sized else ''}, got {size}", f.name)
     if f.tiny is not None and 0 < value < f.tiny:
-        raise RequestError(400, f"{f.name}={value} is too small to compute in float32: use 0 or at least {f.tiny}", f.name)
+        raise RequestError(400, f"{f.name}={value} is too small to compute in float32: use "
+                                f"{'' if f.above else '0 or '}at least {f.tiny}", f.name)
     return f.check(value, info) if f.check else value
 
 

@@ -58,7 +58,7 @@ def _messages(messages: list) -> list[dict]:
     clean = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise RequestError(400, f"{where} needs a role, one of {', '.join(sorted(ROLES))}", "messages")
         content = m.get("content")
         if isinstance(content, list):
@@ -180,9 +180,12 @@ def check_model(name: str, info: ServerInfo) -> None:
 
 
 def make_request(kind: str, values: dict, prompt: list[int], info: ServerInfo, *, where: str, stop: list[str],
-                 tools: list[dict] | None = None, include_usage: bool = False) -> Request:
+                 tools: list[dict] | None = None, include_usage: bool = False, limit: str = "max_tokens") -> Request:
     """The internal request every API maps to: ``values`` holds the sampling fields by their OpenAI names
-    (absent ones take the operator's defaults) and ``max_tokens``; ``where`` names the prompt's field in errors."""
+    (absent ones take the operator's defaults) and ``max_tokens``; ``where`` names the prompt's field in errors,
+    ``limit`` the request's own name for ``max_tokens``. Prompt and answer must fit in the model's context
+    length: an answer asked for past it is refused, as OpenAI's and Anthropic's APIs refuse it, and the
+    operator's default is cut to the room left."""
     if not prompt:
         raise RequestError(400, "the prompt is empty after tokenization", where)
     if len(prompt) > info.max_prompt_tokens:
@@ -191,6 +194,15 @@ def make_request(kind: str, values: dict, prompt: list[int], info: ServerInfo, *
             f"the prompt is {len(prompt)} tokens; this server takes at most {info.max_prompt_tokens} (--max-prompt-tokens)",
             where, "context_length_exceeded",
         )
+    room = info.context_length - len(prompt)
+    asked = values.get("max_tokens")
+    if room < 1 or (asked is not None and asked > room):
+        raise RequestError(
+            400,
+            f"the prompt is {len(prompt)} tokens and the model's context length {info.context_length}: "
+            + (f"{limit}={asked} does not fit, ask for at most {room}" if room > 0 else "no room is left for an answer"),
+            where if room < 1 else limit, "context_length_exceeded",
+        )
 
     def value(name: str) -> Any:
         given = values.get(name)
@@ -198,7 +210,7 @@ def make_request(kind: str, values: dict, prompt: list[int], info: ServerInfo, *
 
     draft = values.get("num_draft_tokens")
     params = GenerationParams(
-        prompt, values.get("max_tokens") or info.max_tokens, value("temperature"), value("top_p"), value("top_k"),
+        prompt, asked or min(info.max_tokens, room), value("temperature"), value("top_p"), value("top_k"),
         value("min_p"), value("xtc_probability"), value("xtc_threshold"), _logits_arguments(values), values.get("seed"),
         None if draft is None else draft + 1,
     )
@@ -217,7 +229,11 @@ def parse_request(body: Any, kind: str, info: ServerInfo) -> Request:
         prompt = chat_prompt(values["messages"], tools, values["chat_template_kwargs"], info)
     else:
         prompt = _text_prompt(values, info)
-    values["max_tokens"] = values["max_tokens"] or values["max_completion_tokens"]
+    limit = "max_tokens"
+    if values["max_completion_tokens"] is not None:
+        if values["max_tokens"] not in (None, values["max_completion_tokens"]):
+            raise RequestError(400, "max_tokens and max_completion_tokens differ: send one of them", "max_tokens")
+        values["max_tokens"], limit = values["max_completion_tokens"], "max_completion_tokens"
     include_usage = values["stream_options"].get("include_usage", False)
     return make_request(kind, values, prompt, info, where="messages" if kind == "chat" else "prompt",
-                        stop=values["stop"], tools=tools, include_usage=include_usage)
+                        stop=values["stop"], tools=tools, include_usage=include_usage, limit=limit)

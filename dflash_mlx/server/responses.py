@@ -179,7 +179,8 @@ def _extend(messages: list[dict], items: list, called: set[str]) -> None:
             if item.get("encrypted_content"):
                 raise RequestError(400, f"{where}.encrypted_content is not supported: this server never encrypts "
                                         "reasoning", "input")
-            parts = [p.get("text") for p in (item.get("content") or []) if isinstance(p, dict)]
+            content = item.get("content") or []
+            parts = [p.get("text") if isinstance(p, dict) else None for p in content] if isinstance(content, list) else [None]
             if not all(isinstance(t, str) for t in parts):
                 raise RequestError(400, f"{where}.content must be reasoning_text parts", "input")
             messages.append({"role": "assistant", "content": "", "reasoning_content": "".join(parts)})
@@ -226,7 +227,7 @@ def parse_response_request(body: Any, info: ServerInfo, store: ResponseStore) ->
     tools = _tools(values["tools"])
     prompt = chat_prompt(messages, tools, kwargs, info)
     values["max_tokens"] = values["max_output_tokens"]
-    request = make_request("chat", values, prompt, info, where="input", stop=[], tools=tools)
+    request = make_request("chat", values, prompt, info, where="input", stop=[], tools=tools, limit="max_output_tokens")
     thinking = reasoning.get("effort") not in (None, "none")
     return request, ResponseReply(request, info.tokenizer, values, conversation, thinking, store)
 
