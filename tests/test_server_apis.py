@@ -160,6 +160,15 @@ def test_responses_stream(oai):
     assert events[-1].response.output_text == "yo"
 
 
+def test_a_response_cut_short_is_incomplete_down_to_its_message(oai):
+    r = oai.responses.create(model="default_model", input=QUESTION, max_output_tokens=1)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in r.output] == ["incomplete"]
+    events = list(oai.responses.create(model="default_model", input=QUESTION, max_output_tokens=1, stream=True))
+    done = [e.item.status for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.incomplete" and done == ["incomplete"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_responses_function_round_trip(oai, stream):
     def create(**fields):

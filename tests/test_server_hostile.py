@@ -665,6 +665,15 @@ RESPONSE_PROBES = [
 ]
 
 
+def test_a_bad_input_item_is_named_as_sent(port):
+    """A Responses input item's error names it by its place in input, not in the chat messages it becomes."""
+    body = {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{no"},
+                      {"type": "function_call_output", "call_id": "c", "output": "x"}], "max_output_tokens": 4}
+    status, raw = request(port, "POST", RESPONSES, body)
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["message"].startswith("input[0].arguments") and error["param"] == "input", raw
+
+
 @pytest.mark.parametrize("body, status", [p[1:] for p in RESPONSE_PROBES], ids=[p[0] for p in RESPONSE_PROBES])
 def test_bad_responses(port, body, status):
     got, raw = request(port, "POST", RESPONSES, body if isinstance(body, bytes) else {"max_output_tokens": 4, **body})
@@ -674,7 +683,8 @@ def test_bad_responses(port, body, status):
 
 
 def test_stored_response_routes(port):
-    assert request(port, "GET", RESPONSES + "/resp_nope")[0] == 404
+    status, raw = request(port, "GET", RESPONSES + "/resp_nope")
+    assert status == 404 and json.loads(raw)["error"]["param"] is None  # no previous_response_id was sent
     assert request(port, "DELETE", RESPONSES + "/resp_nope")[0] == 404
     status, raw = request(port, "PUT", RESPONSES + "/resp_nope", b"{}")
     assert status == 405 and json.loads(raw)["error"]["message"]

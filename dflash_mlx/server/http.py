@@ -311,7 +311,7 @@ class Routes:
             if request.method == "DELETE":
                 self.app.store.delete(response_id)
                 return _json(200, {"id": response_id, "object": "response", "deleted": True})
-            return _json(200, self.app.store.get(response_id)[0])
+            return _json(200, self.app.store.get(response_id, param=None)[0])
 
         return await self._guarded(request, handler)
 

@@ -18,7 +18,8 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from .protocol import FIELDS, MAX_MESSAGES, MAX_TOOLS, Field, RequestError, ServerInfo, max_tokens_check, read_fields
+from .protocol import (FIELDS, MAX_MESSAGES, MAX_TOOLS, Field, RequestError, ServerInfo, decode_json, max_tokens_check,
+                       read_fields)
 from .reply import Generated, PartsReply
 from .request import Request, chat_prompt, check_model, make_request
 
@@ -43,11 +44,12 @@ class ResponseStore:
             while len(self._entries) > self.size:
                 self._entries.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict, list[dict]]:
+    def get(self, response_id: str, param: str | None = "previous_response_id") -> tuple[dict, list[dict]]:
+        """A stored response and its conversation; ``param`` names where the id came from in a 404."""
         with self._lock:
             if response_id not in self._entries:
                 raise RequestError(404, f"no stored response {response_id!r}: it was never stored, was deleted, or "
-                                        "left the store (--response-store-size)", "previous_response_id")
+                                        "left the store (--response-store-size)", param)
             self._entries.move_to_end(response_id)
             return self._entries[response_id]
 
@@ -163,6 +165,8 @@ def _extend(messages: list[dict], items: list, called: set[str]) -> None:
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not all(isinstance(v, str) and v for v in (call_id, name)) or not isinstance(arguments, str):
                 raise RequestError(400, f"{where} needs call_id, name and arguments strings", "input")
+            if not isinstance(decode_json(arguments or "{}", f"{where}.arguments", "input"), dict):
+                raise RequestError(400, f"{where}.arguments must be a JSON object", "input")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             if last is None:
                 last = {"role": "assistant", "content": ""}
@@ -315,6 +319,8 @@ class ResponseReply(PartsReply):
             events = [self._event("response.reasoning_text.done", **self._where(), content_index=0,
                                   text=item["content"][0]["text"])]
         else:
+            if self.generated.finish_reason == "length":  # the answer was cut short by max_output_tokens
+                item["status"] = "incomplete"
             part = item["content"][0]
             events = [self._event("response.output_text.done", **self._where(), content_index=0, text=part["text"],
                                   logprobs=[]),
