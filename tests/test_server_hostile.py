@@ -295,6 +295,15 @@ def test_routes(port, route, body, status):
     assert ("error" in json.loads(raw)) == (status != 200)
 
 
+def test_completion_logprobs_are_refused_for_what_they_are(port):
+    """/v1/completions takes logprobs as a count: refused because none are computed, not for its type."""
+    for value in (5, True):
+        status, raw = request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": value})
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["param"] == "logprobs" and "not computed" in error["message"], raw
+    assert request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 0})[0] == 200
+
+
 def test_wrong_methods(port):
     assert request(port, "GET", CHAT)[0] == 405
     for method in ("PUT", "DELETE", "PATCH"):

@@ -229,7 +229,8 @@ FIELDS = {f.name: f for f in [
     Field("stream", bool, False),
     Field("stream_options", dict, {}, check=_stream_options),
     Field("n", int, 1, only=(1,), why="send one request per completion"),
-    Field("logprobs", bool, False, only=(False,), why="log probabilities are not computed"),
+    # A boolean for chat, the number of top log probabilities for text completions.
+    Field("logprobs", (bool, int), False, only=(False, 0), why="log probabilities are not computed"),
     Field("top_logprobs", int, 0, only=(0, -1), why="log probabilities are not computed"),
     Field("num_draft_tokens", int, None, lo=0, check=_num_draft_tokens),
     Field("user", str),

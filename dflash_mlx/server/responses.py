@@ -184,10 +184,10 @@ def _extend(messages: list[dict], items: list, called: set[str]) -> None:
                 raise RequestError(400, f"{where}.encrypted_content is not supported: this server never encrypts "
                                         "reasoning", "input")
             content = item.get("content") or []
-            parts = [p.get("text") if isinstance(p, dict) else None for p in content] if isinstance(content, list) else [None]
-            if not all(isinstance(t, str) for t in parts):
+            if not isinstance(content, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                        for p in content):
                 raise RequestError(400, f"{where}.content must be reasoning_text parts", "input")
-            messages.append({"role": "assistant", "content": "", "reasoning_content": "".join(parts)})
+            messages.append({"role": "assistant", "content": "", "reasoning_content": "".join(p["text"] for p in content)})
         else:
             raise RequestError(400, f"{where} is a {kind!r} item: only message, function_call, function_call_output "
                                     "and reasoning items are supported", "input")
