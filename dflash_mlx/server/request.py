@@ -36,6 +36,15 @@ def _text_parts(content: list, where: str) -> str:
     return "".join(texts)
 
 
+def tool_arguments(arguments: Any, where: str, param: str) -> dict:
+    """A tool call's arguments as an object: a JSON string is decoded (an empty one is ``{}``)."""
+    if isinstance(arguments, str):
+        arguments = decode_json(arguments or "{}", where, param)
+    if not isinstance(arguments, dict):
+        raise RequestError(400, f"{where} must be a JSON object", param)
+    return arguments
+
+
 def _tool_calls(calls: Any, where: str) -> list[dict]:
     """An assistant message's tool calls, arguments as objects (what chat templates expect)."""
     if not isinstance(calls, list):
@@ -45,11 +54,8 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise RequestError(400, f"{where}.tool_calls[{i}] needs a function with a name", "messages")
-        arguments = function.get("arguments", {})
-        if isinstance(arguments, str):
-            arguments = decode_json(arguments or "{}", f"{where}.tool_calls[{i}].function.arguments", "messages")
-        if not isinstance(arguments, dict):
-            raise RequestError(400, f"{where}.tool_calls[{i}].function.arguments must be a JSON object", "messages")
+        arguments = tool_arguments(function.get("arguments", {}), f"{where}.tool_calls[{i}].function.arguments",
+                                   "messages")
         out.append({**call, "type": "function", "function": {"name": function["name"], "arguments": arguments}})
     return out
 

@@ -18,10 +18,9 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from .protocol import (FIELDS, MAX_MESSAGES, MAX_TOOLS, Field, RequestError, ServerInfo, decode_json, max_tokens_check,
-                       read_fields)
+from .protocol import FIELDS, MAX_MESSAGES, MAX_TOOLS, Field, RequestError, ServerInfo, max_tokens_check, read_fields
 from .reply import Generated, PartsReply
-from .request import Request, chat_prompt, check_model, make_request
+from .request import Request, chat_prompt, check_model, make_request, tool_arguments
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
@@ -165,9 +164,8 @@ def _extend(messages: list[dict], items: list, called: set[str]) -> None:
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not all(isinstance(v, str) and v for v in (call_id, name)) or not isinstance(arguments, str):
                 raise RequestError(400, f"{where} needs call_id, name and arguments strings", "input")
-            if not isinstance(decode_json(arguments or "{}", f"{where}.arguments", "input"), dict):
-                raise RequestError(400, f"{where}.arguments must be a JSON object", "input")
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            call = {"id": call_id, "type": "function",
+                    "function": {"name": name, "arguments": tool_arguments(arguments, f"{where}.arguments", "input")}}
             if last is None:
                 last = {"role": "assistant", "content": ""}
                 messages.append(last)
