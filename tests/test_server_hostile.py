@@ -278,6 +278,14 @@ def test_template_from_request_says_why(port):
     assert "--chat-template" in message and "CPU" in message
 
 
+def test_a_template_argument_that_fails_is_named(port):
+    # The chat template raises for this argument (a newer transformers', which needs it to tokenize).
+    _, raw = chat(port, chat_template_kwargs={"sanitize_control_tokens": True})
+    error = json.loads(raw)["error"]
+    assert "chat_template_kwargs sanitize_control_tokens" in error["message"], error
+    assert error["message"].endswith("drop or fix chat_template_kwargs")
+
+
 @pytest.mark.parametrize("route, body, status", [
     ("/v1/completions", {"prompt": ["a", "b"]}, 400),
     ("/v1/completions", {"prompt": [1, 2, 3]}, 400),

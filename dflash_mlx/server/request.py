@@ -21,7 +21,8 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list | None = None,
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
     except Exception as e:  # a template raises what it likes (TemplateError, TypeError, ...)
-        raise DFlashError(f"the chat template failed on these messages ({type(e).__name__}: {one_line(e)})") from None
+        given = f" and chat_template_kwargs {', '.join(sorted(kwargs))}" if kwargs else ""
+        raise DFlashError(f"the chat template failed on these messages{given} ({type(e).__name__}: {one_line(e)})") from None
 
 
 def _text_parts(content: list, where: str) -> str:
@@ -112,7 +113,8 @@ def chat_prompt(messages: list, tools: list | None, template_kwargs: dict, info:
             # The template writes any special tokens itself, as mlx_lm.server's tokenized template does.
             return info.tokenizer.encode(text, add_special_tokens=False)
     except DFlashError as e:
-        fix = "use /v1/completions" if not info.tokenizer.has_chat_template else "check the roles and contents"
+        fix = ("use /v1/completions" if not info.tokenizer.has_chat_template else
+               "check the roles and contents" + (" and drop or fix chat_template_kwargs" if template_kwargs else ""))
         raise RequestError(400, f"{e}: {fix}", "messages") from None
 
 
