@@ -271,7 +271,7 @@ def _prompt(values: dict, info: ServerInfo) -> tuple[list[int], list[dict] | Non
     kwargs = {} if thinking is None else {"enable_thinking": thinking["type"] != "disabled"}
     tools = _tools(values["tools"])
     messages = conversation(values["system"], values["messages"], _kept_thinking_turns(values["context_management"]))
-    return chat_prompt(messages, tools, kwargs, info), tools
+    return chat_prompt(messages, tools, kwargs, info, "thinking"), tools
 
 
 def parse_messages(body: Any, info: ServerInfo) -> tuple[Request, bool]:

@@ -21,7 +21,7 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list | None = None,
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
     except Exception as e:  # a template raises what it likes (TemplateError, TypeError, ...)
-        given = f" and chat_template_kwargs {', '.join(sorted(kwargs))}" if kwargs else ""
+        given = f" with template arguments {', '.join(sorted(kwargs))}" if kwargs else ""
         raise DFlashError(f"the chat template failed on these messages{given} ({type(e).__name__}: {one_line(e)})") from None
 
 
@@ -104,8 +104,10 @@ def _tools(tools: list, tokenizer: Any) -> list[dict] | None:
     return tools
 
 
-def chat_prompt(messages: list, tools: list | None, template_kwargs: dict, info: ServerInfo) -> list[int]:
-    """OpenAI-shaped ``messages`` and ``tools`` (checked here) rendered by the chat template and tokenized."""
+def chat_prompt(messages: list, tools: list | None, template_kwargs: dict, info: ServerInfo,
+                source: str = "chat_template_kwargs") -> list[int]:
+    """OpenAI-shaped ``messages`` and ``tools`` (checked here) rendered by the chat template and tokenized;
+    ``source`` names the request field that ``template_kwargs`` came from."""
     messages, tools = _messages(messages), _tools(tools, info.tokenizer)
     try:
         with info.lock:
@@ -114,7 +116,7 @@ def chat_prompt(messages: list, tools: list | None, template_kwargs: dict, info:
             return info.tokenizer.encode(text, add_special_tokens=False)
     except DFlashError as e:
         fix = ("use /v1/completions" if not info.tokenizer.has_chat_template else
-               "check the roles and contents" + (" and drop or fix chat_template_kwargs" if template_kwargs else ""))
+               "check the roles and contents" + (f" and drop or fix {source}" if template_kwargs else ""))
         raise RequestError(400, f"{e}: {fix}", "messages") from None
 
 

@@ -227,7 +227,7 @@ def parse_response_request(body: Any, info: ServerInfo, store: ResponseStore) ->
     reasoning = values["reasoning"] or {}
     kwargs = {} if reasoning.get("effort") is None else {"enable_thinking": reasoning["effort"] != "none"}
     tools = _tools(values["tools"])
-    prompt = chat_prompt(messages, tools, kwargs, info)
+    prompt = chat_prompt(messages, tools, kwargs, info, "reasoning.effort")
     values["max_tokens"] = values["max_output_tokens"]
     request = make_request("chat", values, prompt, info, where="input", stop=[], tools=tools, limit="max_output_tokens")
     thinking = reasoning.get("effort") not in (None, "none")
