@@ -406,3 +406,36 @@ def test_train_on_texts_alone(tiny_pair, tmp_path):
     with pytest.raises(DFlashError, match="go together"):  # not silently no texts
         _train(tmp_path, target, tmp_path / "half", 4, "--texts", "docs")
     assert not (tmp_path / "half").exists()  # refused before anything is written
+
+
+def test_text_share_sets_the_steps_that_train_on_texts():
+    """Any number of texts takes the given share of the steps; each pool goes through all its
+    batches each epoch; without a share, one pool in the order the runs before it had."""
+    pools = train.batch_pools([5, 3, 9, 4, 7, 8, 30, 20, 40, 10], 6, 2, 0.25)
+    assert pools == [[[1, 3], [0, 4], [5, 2]], [[9, 7], [6, 8]]]
+    picked = [train.step_batch(pools, 0.25, 0, step) for step in range(48)]
+    from_texts = [b for b in picked if b[0] >= 6]
+    assert len(from_texts) == 12 and all(from_texts.count(b) == 6 for b in pools[1])
+    assert all([b for b in picked if b[0] < 6].count(b) == 12 for b in pools[0])
+    one = train.batch_pools([5, 3, 9, 4, 7, 8, 30, 20, 40, 10], 6, 2, None)
+    assert one == [[[1, 3], [0, 4], [5, 2], [9, 7], [6, 8]]]
+    order = np.random.default_rng([0, 1]).permutation(5)
+    assert [train.step_batch(one, None, 0, step) for step in range(5, 10)] == [one[0][k] for k in order]
+
+
+def test_text_share_in_a_run(tiny_pair, tmp_path, monkeypatch):
+    target, _ = tiny_pair("qwen3")
+    seen = []
+
+    def recording(seqs, hidden, idx, *rest):
+        seen.append({seqs[i][1] == 1 for i in idx})  # a text's labels start at its first token
+        return data.make_batch(seqs, hidden, idx, *rest)
+
+    monkeypatch.setattr(train, "make_batch", recording)
+    _train(tmp_path, target, tmp_path / "shared", 8, "--texts", str(tmp_path / "prompts.txt"), "--num-texts", "6",
+           "--eval-prompts", "0", "--text-share", "0.25")
+    assert seen == [{False}] * 3 + [{True}] + [{False}] * 3 + [{True}]
+    for bad in (["--text-share", "0.3"], ["--text-share", "1", "--texts", "docs", "--num-texts", "2"]):
+        with pytest.raises(DFlashError, match="--text-share .* between 0 and 1"):
+            _train(tmp_path, target, tmp_path / "bad", 4, *bad)
+    assert not (tmp_path / "bad").exists()

@@ -184,6 +184,33 @@ def acceptance_proxy(correct: np.ndarray, valid: np.ndarray) -> tuple[float, flo
 # Training checkpoints: the drafter in the released layout, plus optimizer state
 
 
+def batch_pools(lengths: list[int], num_answers: int, batch_seqs: int, text_share: float | None) -> list[list[list[int]]]:
+    """Batches of sequence indices: one pool of all sequences, or with a ``text_share`` the answers
+    (the first ``num_answers``) and the texts apart. Sequences of similar length share a batch (less padding)."""
+    spans = [range(len(lengths))] if text_share is None else [range(num_answers), range(num_answers, len(lengths))]
+    pools = []
+    for span in spans:
+        by_length = sorted(span, key=lambda i: lengths[i])
+        pools.append([by_length[i : i + batch_seqs] for i in range(0, len(by_length), batch_seqs)])
+    return pools
+
+
+def step_batch(pools: list[list[list[int]]], text_share: float | None, seed: int, step: int) -> list[int]:
+    """The batch of ``step``. Each pool goes through its batches in a new order every epoch, from
+    (seed, pool, epoch). With a ``text_share`` the texts' pool takes the steps where
+    ``floor(step * share)`` grows, so any number of texts fills that share of the steps."""
+    pool, n = 0, step
+    if text_share is not None:
+        texts_before = int(step * text_share)
+        if int((step + 1) * text_share) > texts_before:
+            pool, n = 1, texts_before
+        else:
+            n = step - texts_before
+    epoch, k = divmod(n, len(pools[pool]))
+    order = np.random.default_rng([seed, epoch] if pool == 0 else [seed, 2, epoch]).permutation(len(pools[pool]))
+    return pools[pool][order[k]]
+
+
 def save_checkpoint(out: Path, drafter: Drafter, optimizer: optim.Optimizer, step: int, train_config: dict) -> None:
     save_drafter(drafter, out)
     # Not .safetensors: loaders read every safetensors file in a drafter folder.
@@ -330,6 +357,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "token at every position, from one target pass per text, no answers generated")
     p.add_argument("--num-texts", type=int, default=0, help="Texts drawn from --texts")
     p.add_argument("--max-text-tokens", type=int, default=4096, help="Texts are cut to this many tokens")
+    p.add_argument("--text-share", type=float, default=None,
+                   help="Fraction of the steps that train on texts, however many texts there are (default: "
+                        "texts and answers batched as one pool, so the share is the texts' share of the sequences)")
     p.add_argument("--eval-prompts", type=int, default=12, help="Held-out prompts for the final tau evaluation")
     p.add_argument("--max-response-tokens", type=int, default=256, help="Target answer length cap")
     p.add_argument("--gen-batch-size", type=int, default=32, help="Batch size of the target's answer generation")
@@ -372,6 +402,9 @@ def run(args: argparse.Namespace) -> None:
         raise DFlashError(f"--block-size {args.block_size} leaves nothing to draft: use 2 or more")
     if bool(args.texts) != bool(args.num_texts):
         raise DFlashError("--texts and --num-texts go together: give the sources and how many texts to read")
+    if args.text_share is not None and not (args.texts and args.num_prompts and 0 < args.text_share < 1):
+        raise DFlashError(f"--text-share {args.text_share} splits the steps between answers and texts: give "
+                          "--num-prompts and --texts with a share between 0 and 1, or leave it out")
     ranks = Ranks(args.batch_seqs)
     model_path = args.model
     if model_path is None:
@@ -403,6 +436,9 @@ def run(args: argparse.Namespace) -> None:
         texts = [(t, a) for t, a in texts if len(t) >= 3]  # an anchor needs a token before it and one after
         if not seqs and not texts:
             raise DFlashError("nothing to train on: give --num-prompts answers or --texts with --num-texts")
+        if args.text_share is not None and not (seqs and texts):
+            raise DFlashError(f"--text-share has no {'answers' if texts else 'texts'} to share the steps with: "
+                              "check --max-prompt-tokens and the sources, or leave --text-share out")
         drafter = trained or new_drafter(args, model, tokenizer)
         # The answers it learns from are also the corpus it copies from (copying.py).
         earlier = drafter.corpus.tokens if drafter.corpus is not None else []
@@ -451,18 +487,15 @@ def run(args: argparse.Namespace) -> None:
         optimizer.update(drafter, grads)
         return ranks.mean(loss), ranks.gather(correct, len(batch[-1]))
 
-    # Sequences of similar length share a batch (less padding); the batch order of
-    # each epoch and each step's anchors come from (seed, epoch) / (seed, step), so a
-    # resumed run continues exactly where it stopped.
-    by_length = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
-    batches = [by_length[i : i + args.batch_seqs] for i in range(0, len(by_length), args.batch_seqs)]
+    # Each step's anchors come from (seed, step), its batch from ``step_batch``: a resumed run
+    # continues exactly where it stopped.
+    pools = batch_pools([len(t) for t, _ in seqs], len(seqs) - len(texts), args.batch_seqs, args.text_share)
     tic = time.perf_counter()
     ema = None
     with tqdm(total=args.steps, initial=step, desc="train", unit="step", dynamic_ncols=True, disable=quiet) as bar:
         while step < args.steps:
-            epoch, k = divmod(step, len(batches))
-            order = np.random.default_rng([args.seed, epoch]).permutation(len(batches))
-            batch = make_batch(seqs, hidden, batches[order[k]], np.random.default_rng([args.seed, 1, step]), args.anchors, B,
+            batch = make_batch(seqs, hidden, step_batch(pools, args.text_share, args.seed, step),
+                               np.random.default_rng([args.seed, 1, step]), args.anchors, B,
                                window, greedy)
             loss, correct = train_step(batch)
             mx.eval(loss, correct, drafter.parameters(), optimizer.state)
