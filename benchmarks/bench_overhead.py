@@ -123,7 +123,7 @@ def main() -> None:
             c.trim(2)
 
     def no_run_ahead():
-        with mock.patch.object(BlockPolicy, "expects_plain", lambda self, rows: False):
+        with mock.patch.object(BlockPolicy, "expects_plain", lambda self, rows, *a: False):
             return dflash(1)
 
     plain()  # warm-up

@@ -26,10 +26,11 @@ from dflash_mlx.policy import BlockPolicy
 class NeverPlain(BlockPolicy):
     """The adaptive policy with plain decoding taken out of its options."""
 
-    def plan(self, rows, waiting=False, head_start=False):
-        return max(self._options(rows, waiting=waiting, head_start=head_start)[1:], key=lambda option: option[0])[1]
+    def plan(self, rows, waiting=False, head_start=False, trees=False):
+        options = self._options(rows, waiting=waiting, head_start=head_start, trees=trees)
+        return max(options[1:], key=lambda option: option[0])[1]
 
-    def expects_plain(self, rows, waiting=False) -> bool:
+    def expects_plain(self, rows, waiting=False, trees=False) -> bool:
         return False
 
 

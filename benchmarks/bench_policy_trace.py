@@ -55,12 +55,13 @@ class TimedTable:
 
     def step_seconds(self, rows: int, block_size: int, draft: bool = True, context: float = 0) -> float:
         """A step's verify, after a drafter forward of its block (``draft``), at most the drafter's
-        own: a tree of more nodes is drafted in one block (``policy.BlockPolicy.tree_budget``)."""
+        own (a tree's nodes are drafted in one block of the drafter's: ``price``)."""
         seconds = self.verify(block_size, context)
-        if draft and block_size > 1:
-            drafts = self.timed[0].draft
-            seconds += costs_module.interpolate(drafts, min(block_size, max(drafts)))
-        return seconds
+        return seconds + self.draft_seconds(rows, block_size) if draft and block_size > 1 else seconds
+
+    def draft_seconds(self, rows: int, block_size: int) -> float:
+        drafts = self.timed[0].draft
+        return costs_module.interpolate(drafts, min(block_size, max(drafts)))
 
     def price(self, steps: list[dict]) -> float:
         """Seconds of recorded steps, each as ``step_seconds``; a step whose anchors ran ahead pays
@@ -68,7 +69,10 @@ class TimedTable:
         total = 0.0
         for s in steps:
             B, context = s["rows"], s["context"]
-            total += self.step_seconds(1, B, s["draft"], context)
+            if s.get("tree"):  # the drafter ran its whole block (``BlockPolicy._calibrated``)
+                total += self.verify(B, context) + self.draft_seconds(1, max(self.timed[0].draft))
+            else:
+                total += self.step_seconds(1, B, s["draft"], context)
             if s["head_start"] and B > 1:
                 total += self.verify(1, context) + self.verify(B - 1, context) - self.verify(B, context)
         return total
@@ -82,7 +86,7 @@ def traced(package, steps: list[dict]):
 
     def record(self, rows, plan, seconds, ahead=False, head_start=False):
         steps.append({"rows": plan.block_size, "draft": plan.draft, "head_start": head_start,
-                      "context": rows[0].context})
+                      "context": rows[0].context, "tree": getattr(plan, "tree", False)})
         return observe(self, rows, plan, seconds, ahead, head_start)
 
     policy_class.observe = record

@@ -108,14 +108,21 @@ class StepCosts:
     def step_seconds(self, rows: int, block_size: int, draft: bool = True, context: float = SHORT_CONTEXT) -> float:
         """A step of ``rows`` rows verifying ``block_size`` tokens each, ``draft``: after a drafter
         forward; ``context``: the rows' mean context length."""
-        def at(table: str) -> float:
-            return interpolate({r: interpolate(getattr(c, table), block_size) for r, c in self.rows.items()}, rows)
-
         starts = sorted(self.per_key)
         keys = sum(max(min(context, end) - start, 0) * interpolate(self.per_key[start], block_size)
                    for start, end in zip(starts, [*starts[1:], math.inf]))
-        seconds = at("verify") + rows * keys
-        return seconds + at("draft") if draft and block_size > 1 else seconds
+        seconds = self._at("verify", rows, block_size) + rows * keys
+        return seconds + self.draft_seconds(rows, block_size) if draft and block_size > 1 else seconds
+
+    def draft_seconds(self, rows: int, block_size: int) -> float:
+        """The drafter's forward of ``block_size`` tokens for each of ``rows`` rows."""
+        return self._at("draft", rows, block_size)
+
+    def _at(self, table: str, rows: int, block_size: int) -> float:
+        counts = sorted(self.rows)  # the two row counts ``interpolate`` reads: this runs for every plan weighed
+        i = min(max(bisect_left(counts, rows), 1), len(counts) - 1) if len(counts) > 1 else 0
+        return interpolate({r: interpolate(getattr(self.rows[r], table), block_size) for r in counts[max(i - 1, 0) : i + 1]},
+                           rows)
 
     def ready(self, rows: int) -> "StepCosts":
         """These costs as ``Costs.ready`` gives them (every row count they have is all there is)."""

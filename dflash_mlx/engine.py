@@ -350,7 +350,8 @@ class Engine:
         for r in rows:  # as long as any block may be: a row's tokens past its max_tokens are dropped
             r.copy = r.copies.suggest(longest) if r.copies else None
         head_start = self.ahead is not None  # the step before ran this one's anchors (``_verify``)
-        plan = self.policy.plan(rows, waiting=bool(self.pending), head_start=head_start)
+        plan = self.policy.plan(rows, waiting=bool(self.pending), head_start=head_start,
+                                trees=self._tree_refusal() is None)
         anchors = mx.array([[r.anchor] for r in rows], mx.int32)
         rules = [r.strategy.at(len(r.tokens)) for r in rows]  # each row's block starts at its own position
         proposed = self._propose(plan, anchors, rules)
@@ -365,17 +366,18 @@ class Engine:
         self.stats.record_step(R, proposed.width, len(set(verified.accepted)) > 1, done - tic,
                                (drafted_at - tic, done - drafted_at) if self.profile else None,
                                proposed.tree is not None)
-        self.policy.observe(rows, Plan(proposed.width, plan.draft), done - tic, self.ahead is not None, head_start)
+        self.policy.observe(rows, Plan(proposed.width, plan.draft, plan.tree), done - tic, self.ahead is not None,
+                            head_start)
 
     def _propose(self, plan: Plan, anchors: mx.array, rules: list[Strategy]) -> "Proposals":
-        """Every row's proposals after its anchor: a draft tree when the plan drafts and trees may be
-        verified this step (``_tree_refusal``), else a chain of ``plan.block_size`` tokens, drafted,
+        """Every row's proposals after its anchor: a draft tree when the plan says so (trees may be
+        verified this step: ``_tree_refusal``), else a chain of ``plan.block_size`` tokens, drafted,
         copied, or both merged."""
         rows, B = self.rows, plan.block_size
         R = len(rows)
         if B == 1:
             return Proposals(anchors, [None] * R, [None] * R)
-        if plan.draft and self._tree_refusal(rules) is None:
+        if plan.tree:
             return self._grow_trees(anchors, rules)
         copies = [r.copy.cut(B - 1) if r.copy is not None else None for r in rows]
         for r, c in zip(rows, copies):
@@ -401,7 +403,7 @@ class Engine:
             from_copy.append(copied)
         return Proposals(mx.concatenate([anchors, mx.stack(proposals)], axis=1), qs, from_copy, drafted)
 
-    def _tree_refusal(self, rules: list[Strategy]) -> str | None:
+    def _tree_refusal(self) -> str | None:
         """Why this step's rows verify a chain rather than draft trees, or None."""
         if self.trees is not None:
             return self.trees
@@ -457,7 +459,7 @@ class Engine:
         outputs = (tokens, accepted, [x for x in (proposed.drafted, *proposed.from_copy) if x is not None])
         joining = self.pending and R < self.max_rows  # a request joins before the next step
         if (proposed.width == 1 and not joining and self.policy.runs_ahead
-                and self.policy.expects_plain(rows, bool(self.pending))):
+                and self.policy.expects_plain(rows, bool(self.pending), self._tree_refusal() is None)):
             # Evaluated apart: in one evaluation with the next forward, reading the tokens would wait for it.
             mx.async_eval(outputs)
             self.ahead = self.target(mx.stack([t[:1] for t in tokens]), self.cache)

@@ -74,11 +74,15 @@ class RunRates:
 
     def expected(self, proposals: int, optimism: float = 0.0) -> float:
         """Expected accepted tokens among the first ``proposals`` of a run."""
-        total, run = 0.0, 1.0
+        return self.expectations(proposals, optimism)[-1]
+
+    def expectations(self, proposals: int, optimism: float = 0.0) -> list[float]:
+        """``expected(n)`` for n = 0 .. ``proposals`` (a run of more than ``len(rates)`` stops there)."""
+        out, run = [0.0], 1.0
         for i in range(min(proposals, len(self.rates))):
             run *= self.rate(i, optimism)
-            total += run
-        return total
+            out.append(out[-1] + run)
+        return out + [out[-1]] * (proposals + 1 - len(out))
 
     def observe(self, tested: int, accepted: int) -> None:
         """The first ``tested`` proposals were checked; the first ``accepted`` of them passed."""
@@ -141,8 +145,19 @@ class Acceptance:
                  copy_prior: float = 0.5):
         self.drafter = RunRates(draft_length, prior, decay, drifts=True)
         self.depths = DepthCalibration(draft_length, decay)
+        self.trees: np.ndarray | None = None  # expected accepted proposals of a tree of n (``grew``)
+        self.decay = decay
         self.copies = [RunRates(copy_length, copy_prior, decay) for _ in COPY_MATCH_CLASSES]
         self.corpus_copies = [RunRates(copy_length, copy_prior, decay) for _ in COPY_MATCH_CLASSES]
+
+    def grew(self, expected: np.ndarray) -> None:
+        """A draft tree was grown for the row: ``expected`` accepted proposals of its first n nodes
+        (``DepthCalibration.expected``). Their EMA values the next drafted step as the tree it will
+        become, where its top chain alone (``drafter``) would undervalue it."""
+        if self.trees is None or self.trees.shape != expected.shape:
+            self.trees = expected
+        else:
+            self.trees = self.trees + (1 - self.decay) * (expected - self.trees)
 
     def copy_rates(self, copy: Copy) -> RunRates:
         classes = self.corpus_copies if copy.from_corpus else self.copies
@@ -178,10 +193,13 @@ class Row(Protocol):
 @dataclass(frozen=True)
 class Plan:
     """One step: ``block_size`` tokens verified per row, after a drafter forward (``draft``) or not
-    (plain decoding, or copies alone)."""
+    (plain decoding, or copies alone); with ``tree``, the drafter's whole block grows a draft tree
+    and ``block_size`` is its size (anchor included) as far as the plan knows it: the tree's own
+    budget is chosen once it is grown (``BlockPolicy.tree_budget``)."""
 
     block_size: int
     draft: bool
+    tree: bool = False
 
     @property
     def plain(self) -> bool:
@@ -271,13 +289,15 @@ class BlockPolicy:
         (``worth``) from the rows' expected tokens (their ``DepthCalibration``) at what verifying
         that many costs here; without a calibration, or at a fixed budget, all of them."""
         N = grown.shape[1]
-        if not self.adaptive or self.tree_budget_setting != "auto":
+        if not self.adaptive:
             return N - 1
         expected = [r.acceptance.depths.expected(grown, i) for i, r in enumerate(rows)]
-        drafted = Plan(self.max_block_size, True)  # the drafter's forward is spent whatever the budget
-        draft = self.step_seconds(rows, drafted) - self.step_seconds(rows, Plan(self.max_block_size, False))
+        for r, e in zip(rows, expected):
+            r.acceptance.grew(e)
+        if self.tree_budget_setting != "auto":
+            return N - 1
         value = [self.worth(rows, [1 + e[n - 1] for e in expected], waiting) /
-                 (self.step_seconds(rows, Plan(n, False)) + draft) for n in range(2, N + 1)]
+                 self.step_seconds(rows, Plan(n, True, tree=True)) for n in range(2, N + 1)]
         return int(np.argmax(value)) + 1
 
     @staticmethod
@@ -309,34 +329,47 @@ class BlockPolicy:
         R, B = len(rows), plan.block_size
         context = sum(r.context for r in rows) / R
         table = self.costs.ready(R)
-        seconds = table.step_seconds(R, B, plan.draft, context)
+        if plan.tree:  # the drafter's forward is over its whole block, whatever the tree's size
+            seconds = table.step_seconds(R, B, False, context) + table.draft_seconds(R, self.max_block_size)
+        else:
+            seconds = table.step_seconds(R, B, plan.draft, context)
         if head_start and B > 1:  # the anchors' forward and the proposals' in place of one of B
             verify = partial(table.step_seconds, R, draft=False, context=context)
             seconds += verify(1) + verify(B - 1) - verify(B)
         return seconds
 
-    def _gain(self, row: Row, plan: Plan, optimism: float, copies: bool) -> float:
-        """Expected accepted proposals of ``row`` in a step of ``plan`` (its copy counted if ``copies``)."""
+    def _gain(self, row: Row, plan: Plan, optimism: float, copies: bool, chain: list[float]) -> float:
+        """Expected accepted proposals of ``row`` in a step of ``plan`` (its copy counted if ``copies``;
+        ``chain``: its drafter's ``expectations``); a tree's as its recent trees of that size were
+        worth (``Acceptance.grew``), at least its top chain's."""
         n = plan.block_size - 1
         copy = 0.0
         if copies and row.copy is not None and n:  # a copy proposes as many tokens as it holds
             copy = row.acceptance.copy_rates(row.copy).expected(min(n, len(row.copy.tokens)), optimism)
         if not plan.draft:
             return copy
-        drafted = row.acceptance.drafter.expected(n, optimism)
+        drafted = chain[min(n, len(chain) - 1)]
+        trees = row.acceptance.trees
+        if plan.tree and trees is not None:
+            drafted = max(drafted, float(trees[min(n, len(trees) - 1)]))
         return max(drafted, copy)  # merged, or the copy alone where it goes further
 
     def _options(self, rows: list[Row], copies: bool = True, waiting: bool = False,
-                 head_start: bool = False) -> list[tuple[float, Plan]]:
+                 head_start: bool = False, trees: bool = False) -> list[tuple[float, Plan]]:
         """Every plan with its value per second (``worth``; ``waiting``: requests wait to join;
         ``head_start``: ``_calibrated``); plain first. ``copies``: count the rows' copy suggestions
-        (else as if there were none)."""
+        (else as if there were none). ``trees``: a drafted step grows a draft tree, of any size
+        the budget allows (``tree_budget``)."""
         limit = self._limit(rows)
         optimism = self.optimism / len(rows)
         plans = [PLAIN] + [Plan(B, True) for B in range(2, min(self.max_block_size, limit) + 1)]
+        if trees and limit > 1:
+            sizes = range(2, self.max_tree_budget + 2) if self.tree_budget_setting == "auto" else [self.max_tree_budget + 1]
+            plans = [PLAIN] + [Plan(n, True, tree=True) for n in sizes]
         if copies and any(r.copy is not None for r in rows):
             plans += [Plan(B, False) for B in range(2, min(self.copy_block_size, limit) + 1)]
-        return [(self.worth(rows, [1 + self._gain(r, p, optimism, copies) for r in rows], waiting)
+        chains = [r.acceptance.drafter.expectations(self.max_block_size - 1, optimism) for r in rows]
+        return [(self.worth(rows, [1 + self._gain(r, p, optimism, copies, c) for r, c in zip(rows, chains)], waiting)
                  / self.step_seconds(rows, p, head_start), p) for p in plans]
 
     @staticmethod
@@ -344,10 +377,10 @@ class BlockPolicy:
         """Most tokens per row worth verifying: no row's own cap exceeded, none past every row's end."""
         return min([max(r.room for r in rows)] + [r.block_cap for r in rows if r.block_cap])
 
-    def plan(self, rows: list[Row], waiting: bool = False, head_start: bool = False) -> Plan:
+    def plan(self, rows: list[Row], waiting: bool = False, head_start: bool = False, trees: bool = False) -> Plan:
         """This step's plan (``waiting``: requests wait to join; ``head_start``: its anchors ran
-        already; ``_options``). A fixed size runs the drafter unless every row's copy is expected to
-        go at least as far (the step then skips the drafter)."""
+        already; ``trees``: a drafted step may grow draft trees; ``_options``). A fixed size runs the
+        drafter unless every row's copy is expected to go at least as far (the step then skips the drafter)."""
         limit = self._limit(rows)
         if not self.adaptive:
             B = min(self.max_block_size, limit)
@@ -355,8 +388,8 @@ class BlockPolicy:
                 return PLAIN
             copies = all(r.copy is not None and r.acceptance.copy_goes_further(r.copy, B - 1, self.optimism)
                          for r in rows)
-            return Plan(B, not copies)
-        options = self._options(rows, waiting=waiting, head_start=head_start)
+            return Plan(B, not copies, tree=trees and not copies)
+        options = self._options(rows, waiting=waiting, head_start=head_start, trees=trees)
         plan = max(options, key=lambda o: o[0])[1]
         if self.probes.probe(plan.plain and self.max_block_size > 1 and limit > 1, plan.draft):
             return max(options[1:], key=lambda o: o[0])[1]
@@ -377,14 +410,14 @@ class BlockPolicy:
     def describe_run_ahead(self) -> str:
         return "on" if self.overlap is None else self.overlap.describe()
 
-    def expects_plain(self, rows: list[Row], waiting: bool = False) -> bool:
+    def expects_plain(self, rows: list[Row], waiting: bool = False, trees: bool = False) -> bool:
         """Whether the next step decodes plainly unless a copy turns up (the engine then starts it
-        early, where that frees the host: ``runs_ahead``)."""
+        early, where that frees the host: ``runs_ahead``; ``trees``: as in ``plan``)."""
         if any(r.block_cap == 1 for r in rows) or self.max_block_size == 1:
             return True
         if not self.adaptive or self.probes.due():
             return False
-        return max(self._options(rows, copies=False, waiting=waiting), key=lambda o: o[0])[1].plain
+        return max(self._options(rows, copies=False, waiting=waiting, trees=trees), key=lambda o: o[0])[1].plain
 
     def observe(self, rows: list[Row], plan: Plan, seconds: float, ahead: bool = False,
                 head_start: bool = False) -> None:

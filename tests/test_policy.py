@@ -4,6 +4,7 @@ reuse: the choices the engine asks the policy for, and losslessness whatever it 
 import weakref
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from tiny import OracleDrafter, PolicyRow, ScriptedPolicy
@@ -144,6 +145,28 @@ def test_more_rows_take_smaller_blocks():
     assert policy.plan(rows(policy, 1)).block_size == 8
     assert policy.plan(rows(policy, 8)).block_size == 4
     assert policy.plan(rows(policy, 4)).block_size in (4, 5, 6)  # interpolated between 1 and 8 rows
+
+
+def test_a_drafted_step_is_valued_as_the_tree_it_becomes():
+    """Where steps grow draft trees, a drafted step is worth what the row's recent trees were
+    (``Acceptance.grew``), at the price of a tree's nodes and the drafter's whole block, not what
+    its top chain alone would accept."""
+    policy = BlockPolicy(8, SHORT, probe_every=1000, optimism=0.0)
+    rs = rows(policy)
+    observe(rs, 0.0, block=8)  # the top chain keeps missing
+    assert not policy.plan(rs).plain  # the first plain step probes
+    assert policy.plan(rs).plain and policy.plan(rs, trees=True).plain
+    # Its trees found the target's token off the top chain: 1.75 tokens with 7 nodes, 2 with 8.
+    rs[0].acceptance.grew(np.minimum(np.arange(16) * 0.25, 2.0))
+    plan = policy.plan(rs, trees=True)
+    assert plan == Plan(9, True, tree=True)  # (1 + 2) / (1.5 + 0.07) beats (1 + 1.75) / 1.5 and plain's 1 / 1
+    assert policy.plan(rs).plain  # a chain is still worth a chain
+    assert policy.step_seconds(rs, plan) == pytest.approx(SHORT.step_seconds(1, 9, False, 128)
+                                                          + SHORT.step_seconds(1, 8, True, 128) - SHORT.step_seconds(1, 8, False, 128))
+    # Trees that are worth less than the chain leave the chain's value.
+    rs[0].acceptance.grew(np.zeros(16))
+    observe(rs, 1.0, block=8)
+    assert policy.plan(rs, trees=True).block_size >= 8
 
 
 def test_a_closed_batch_drafts_for_its_slowest_row():

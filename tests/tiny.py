@@ -163,11 +163,11 @@ class ScriptedPolicy(BlockPolicy):
         super().__init__(max(sizes), prior=0.5, optimism=0.0)
         self.sizes, self.step = sizes, 0
 
-    def plan(self, rows, waiting: bool = False, head_start: bool = False) -> Plan:
+    def plan(self, rows, waiting: bool = False, head_start: bool = False, trees: bool = False) -> Plan:
         B, self.step = self.sizes[self.step % len(self.sizes)], self.step + 1
-        return PLAIN if B == 1 else Plan(B, True)
+        return PLAIN if B == 1 else Plan(B, True, tree=trees)
 
-    def expects_plain(self, rows, waiting: bool = False) -> bool:
+    def expects_plain(self, rows, waiting: bool = False, trees: bool = False) -> bool:
         return True
 
 
