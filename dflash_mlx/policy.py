@@ -287,7 +287,8 @@ class BlockPolicy:
     def tree_budget(self, rows: list[Row], grown: DraftTree, waiting: bool = False) -> int:
         """Proposals per row to verify of ``grown``'s best-first trees: the most value per second
         (``worth``) from the rows' expected tokens (their ``DepthCalibration``) at what verifying
-        that many costs here; without a calibration, or at a fixed budget, all of them."""
+        that many costs here; without a calibration, or at a fixed budget, all of them. The rows keep
+        those expected tokens for their next plans (``Acceptance.grew``)."""
         N = grown.shape[1]
         if not self.adaptive:
             return N - 1
