@@ -83,7 +83,9 @@ def load(model: str, draft: str, chat_template: str | None = None, pipeline: boo
     ``mlx.launch`` with two or more ranks the target is sharded across them
     (``distributed.py``): tensor parallel where mlx_lm can, or by layers with
     ``pipeline``. Then this returns on rank 0 only; the other ranks follow rank 0
-    inside this call and end their process when rank 0 ends.
+    inside this call and end their process when rank 0 ends. The drafter computes in the
+    target's dtype: it reads the target's hidden states, and weights of another dtype would be
+    widened at every forward (a float16 drafter beside a float32 target drafts 1.6x slower on CPU).
     """
     shards = None
     if pipeline or any(name in os.environ for name in LAUNCHER_VARIABLES):
@@ -94,4 +96,5 @@ def load(model: str, draft: str, chat_template: str | None = None, pipeline: boo
     drafter = load_drafter(draft)
     target = (shards.target if shards else Target)(target_model, drafter.args.target_layer_ids)
     check_pair(target, drafter)
+    drafter.set_dtype(target.dtype)  # its floating-point parameters only: quantized codes stay as they are
     return DFlashModel(target, drafter), tokenizer

@@ -157,6 +157,11 @@ class Target:
     def hidden_size(self) -> int:
         return self.args.hidden_size
 
+    @property
+    def dtype(self) -> mx.Dtype:
+        """What its embeddings and hidden states are computed in (lazy: nothing is evaluated)."""
+        return self.embed(mx.zeros((1, 1), mx.int32)).dtype
+
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)
         return h if self.embed_scale is None else h * self.embed_scale.astype(h.dtype)

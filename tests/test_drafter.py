@@ -250,3 +250,18 @@ def test_draft_window_is_read_written_and_defaulted(tmp_path):
     assert load_drafter(str(save_drafter(tmp_path / "d", sliding))).args.context_window() == (0, 47)
     mixed = drafter_config(TARGETS["qwen3"], layer_types=["sliding_attention", "full_attention"], sliding_window=48)
     assert load_drafter(str(save_drafter(tmp_path / "e", mixed))).args.context_window() == DEFAULT_DRAFT_WINDOW
+
+
+def test_a_drafter_computes_in_its_targets_dtype(tiny_pair, tmp_path):
+    """A float16 drafter beside a float32 target is loaded in float32: mixed, MLX would widen its
+    weights at every forward."""
+    import dflash_mlx
+    from dflash_mlx.models import save_drafter as save
+
+    target, draft = tiny_pair("qwen3")
+    half = tmp_path / "half"
+    save(load_drafter(str(draft)), half, mx.float16)
+    assert load_drafter(str(half)).fc.weight.dtype == mx.float16
+    model, _ = dflash_mlx.load(str(target), str(half))
+    dtypes = {v.dtype for _, v in tree_flatten(model.drafter.parameters())}
+    assert model.target.dtype == mx.float32 and mx.float16 not in dtypes and mx.float32 in dtypes
