@@ -8,6 +8,7 @@ so the same model object stays untouched (and as fast) for plain mlx_lm use.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import cached_property
 from typing import Any, Callable, Iterator
 
 import mlx.core as mx
@@ -157,7 +158,7 @@ class Target:
     def hidden_size(self) -> int:
         return self.args.hidden_size
 
-    @property
+    @cached_property
     def dtype(self) -> mx.Dtype:
         """What its embeddings and hidden states are computed in (lazy: nothing is evaluated)."""
         return self.embed(mx.zeros((1, 1), mx.int32)).dtype

@@ -74,7 +74,6 @@ class ShardedTarget(Target):
         self.group, self.remote_ids = group, remote_ids
         restricted = mx.distributed.all_sum(int(self.cache_policy.restricted), group=group, stream=mx.cpu)
         self.cache_policy.restricted = restricted.item() > 0  # every rank refuses the same rollbacks
-        self.dtype = self.embed(mx.zeros((1, 1), mx.int32)).dtype
         self.latency = {}
         for rows in CALIBRATION_ROWS:
             times = []
