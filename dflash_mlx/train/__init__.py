@@ -180,10 +180,6 @@ def acceptance_proxy(correct: np.ndarray, valid: np.ndarray) -> tuple[float, flo
     return float(accuracy), float((1 + run)[anchors].mean()) if anchors.any() else 0.0
 
 
-# ---------------------------------------------------------------------------------------------
-# Training checkpoints: the drafter in the released layout, plus optimizer state
-
-
 def batch_pools(lengths: list[int], num_answers: int, batch_seqs: int, text_share: float | None) -> list[list[list[int]]]:
     """Batches of sequence indices: one pool of all sequences, or with a ``text_share`` the answers
     (the first ``num_answers``) and the texts apart. Sequences of similar length share a batch (less padding)."""
@@ -209,6 +205,10 @@ def step_batch(pools: list[list[list[int]]], text_share: float | None, seed: int
     epoch, k = divmod(n, len(pools[pool]))
     order = np.random.default_rng([seed, epoch] if pool == 0 else [seed, 2, epoch]).permutation(len(pools[pool]))
     return pools[pool][order[k]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Training checkpoints: the drafter in the released layout, plus optimizer state
 
 
 def save_checkpoint(out: Path, drafter: Drafter, optimizer: optim.Optimizer, step: int, train_config: dict) -> None:
