@@ -21,7 +21,7 @@ fi
 #    pages and source files, read teacher-forced) and the window it decodes with (16:256) teach it
 #    to draft after long prompts.
 "${LAUNCH[@]}" dflash-mlx train --out "$OUT" --prompts gsm8k stdlib sharegpt --num-prompts "${NUM_PROMPTS:-3516}" \
-  --texts docs code --num-texts 72 --draft-window 16:256 \
+  --texts docs code --num-texts 240 --draft-window 16:256 \
   --max-response-tokens 256 --gen-batch-size 32 --num-layers 2 --target-layer-ids 2 15 28 \
   --draft-vocab-size 8192 --init target --block-size 8 --steps "${STEPS:-4000}" --batch-seqs 4 \
   --anchors 32 --lr 1e-3 --save-every 100 --eval-prompts 4 --eval-max-tokens 96 --seed 0 --resume
