@@ -68,7 +68,9 @@ def main() -> None:
     args = p.parse_args()
     target_path, shipped = default_pair()
     model, tokenizer = dflash_mlx.load(target_path, shipped)
-    pairs = {d: DFlashModel(model.target, load_drafter(shipped if d == "shipped" else d)) for d in args.drafter}
+    # In the target's dtype, as ``dflash_mlx.load`` gives them.
+    pairs = {d: DFlashModel(model.target, load_drafter(shipped if d == "shipped" else d, model.target.dtype))
+             for d in args.drafter}
     rows, groups = [], defaultdict(lambda: [0, 0])  # (drafter, group) -> [drafted accepted, steps]
     for prompt in prompts(tokenizer, args.sets, args.lengths, args.num_prompts):
         outputs = {}
