@@ -363,10 +363,11 @@ class BlockPolicy:
         the budget allows (``tree_budget``)."""
         limit = self._limit(rows)
         optimism = self.optimism / len(rows)
-        plans = [PLAIN] + [Plan(B, True) for B in range(2, min(self.max_block_size, limit) + 1)]
         if trees and limit > 1:
             sizes = range(2, self.max_tree_budget + 2) if self.tree_budget_setting == "auto" else [self.max_tree_budget + 1]
             plans = [PLAIN] + [Plan(n, True, tree=True) for n in sizes]
+        else:
+            plans = [PLAIN] + [Plan(B, True) for B in range(2, min(self.max_block_size, limit) + 1)]
         if copies and any(r.copy is not None for r in rows):
             plans += [Plan(B, False) for B in range(2, min(self.copy_block_size, limit) + 1)]
         chains = [r.acceptance.drafter.expectations(self.max_block_size - 1, optimism) for r in rows]
