@@ -489,13 +489,12 @@ class Engine:
             tokens, q, confidence = self.drafter.propose(embeddings, anchors[:, 0], context, self.draft_cache,
                                                          self.head, pick)
             return tokens, [None if q is None else q[i] for i in range(len(rows))], confidence
-        draft_logits = self.drafter(embeddings, context, self.draft_cache, self.head, self.ops)
-        tokens, qs, confidence = zip(*[self.drafter.pick(draft_logits[i], partial(rules[i].propose, key=r.subkey()))
+        vocab = self.drafter.scores(embeddings, context, self.draft_cache, self.head, self.ops)
+        tokens, qs, confidence = zip(*[self.drafter.pick(vocab[i], partial(rules[i].propose, key=r.subkey()))
                                        for i, r in enumerate(rows)])
         if not scored:
             return mx.stack(tokens), list(qs), mx.stack(confidence)
         columns = self.drafter.vocab_rows
-        vocab = draft_logits if columns is None else mx.take(draft_logits, columns, axis=-1)
         scores = mx.stack([rule.scores(vocab[i], columns) if hasattr(rule, "scores") else vocab[i]
                            for i, rule in enumerate(rules)])
         return mx.stack(tokens), list(qs), mx.stack(confidence), scores

@@ -117,16 +117,21 @@ def candidates(draft_logits: mx.array, width: int, columns: mx.array | None = No
     """Each depth's ``width`` best tokens and their log-probabilities, best first: (R, D, K) ids
     and (R, D, K) log-probs on the host. ``draft_logits`` (R, D, V'): one drafter forward's scores
     at block positions 1..D (any constant per row cancels), over the vocabulary ids ``columns``
-    (a draft vocabulary; None: the whole vocabulary)."""
-    logprobs = draft_logits.astype(mx.float32)
-    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    (a draft vocabulary; None: the whole vocabulary).
+
+    The scores come to the host whole and are ranked there: the tree is built on the host anyway,
+    and on a CPU backend numpy's exponentials over the draft vocabulary cost a small part of MLX's
+    (benchmarks/results/tree_candidates_host_2026-12-08.json)."""
+    scores = np.array(draft_logits.astype(mx.float32))
+    peak = scores.max(axis=-1, keepdims=True)
+    logprobs = scores - (peak + np.log(np.exp(scores - peak).sum(axis=-1, keepdims=True)))
     K = min(width, logprobs.shape[-1])
-    top = mx.argpartition(-logprobs, K - 1, axis=-1)[..., :K]
-    values = mx.take_along_axis(logprobs, top, axis=-1)
-    order = mx.argsort(-values, axis=-1)
-    top, values = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
-    ids = top if columns is None else columns[top]
-    return np.array(ids), np.array(values)
+    top = np.argpartition(-logprobs, K - 1, axis=-1)[..., :K]
+    values = np.take_along_axis(logprobs, top, axis=-1)
+    order = np.argsort(-values, axis=-1, kind="stable")
+    top, values = np.take_along_axis(top, order, axis=-1), np.take_along_axis(values, order, axis=-1)
+    ids = top if columns is None else np.array(columns)[top]
+    return ids.astype(np.int32), values
 
 
 def build(draft_logits: mx.array, budget: int | Sequence[int], roots: Sequence[int], columns: mx.array | None = None,

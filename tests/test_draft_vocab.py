@@ -51,7 +51,9 @@ def test_drafter_proposes_only_its_vocabulary(tiny_pair):
     target = Target(model, drafter.args.target_layer_ids)
     _, hidden = target(mx.array([[5, 9, 11, 40, 7]]), None)
     block = target.embed(mx.array([[7] + [drafter.args.mask_token_id] * 7]))
-    logits = drafter(block, hidden, drafter.make_cache(), target.head(rows), kernels.get_ops(False))[0]
+    scores = drafter.scores(block, hidden, drafter.make_cache(), target.head(rows), kernels.get_ops(False))[0]
+    logits = drafter.full_vocab(scores)  # what the drafter's forward returns
+    assert scores.shape[-1] == rows.size
     outside = np.setdiff1d(np.arange(target.vocab_size), np.array(rows))
     assert np.isinf(np.array(logits)[:, outside]).all()
     assert np.isfinite(np.array(logits)[:, np.array(rows)]).all()
@@ -59,7 +61,7 @@ def test_drafter_proposes_only_its_vocabulary(tiny_pair):
     # The confidence, taken over the draft vocabulary alone, is the full softmax's top probability.
     flat = logits * 0.01  # a random drafter's picks are near-certain: flatten them, -inf stays
     top = mx.softmax(flat, axis=-1).max(axis=-1)
-    tokens, _, confidence = drafter.pick(flat, Greedy(kernels.get_ops(False)).propose)
+    tokens, _, confidence = drafter.pick(scores * 0.01, Greedy(kernels.get_ops(False)).propose)
     assert mx.allclose(confidence, top, atol=1e-6).item()
     assert tokens.tolist() == flat.argmax(-1).tolist()
     assert (top < 0.9).all().item()
@@ -75,10 +77,10 @@ def test_sampled_picks_over_the_draft_vocabulary_are_exact(params):
     rows = random_rows(vocab, vocab // 3, seed=2)
     drafter = vocab_drafter("qwen3", rows)
     scores = mx.random.normal((2, rows.size), key=mx.random.key(3)) * 2
-    logits = drafter.full_vocab(scores)  # what the drafter's forward returns
+    logits = drafter.full_vocab(scores)  # what the drafter's forward returns over all V
     strategy = Rejection(params, kernels.get_ops(False))
     expected_q = np.array(probabilities(logits, params))
-    tokens, q, _ = drafter.pick(mx.broadcast_to(logits, (n, *logits.shape)), partial(strategy.propose, key=mx.random.key(4)))
+    tokens, q, _ = drafter.pick(mx.broadcast_to(scores, (n, *scores.shape)), partial(strategy.propose, key=mx.random.key(4)))
     assert np.allclose(np.array(q[:3]), expected_q, atol=1e-6)
     tokens = np.array(tokens)
     assert np.isin(tokens, np.array(rows)).all()

@@ -91,8 +91,8 @@ class HalfKnowingDrafter(Drafter):
         self.target_model, self.prompt = [target_model], prompt  # list: not a child module
         self.rows: dict[int, mx.array] = {}  # the target's logits after prompt + anchor, by anchor
 
-    def __call__(self, block_embeddings, context_hidden, cache, lm_head, ops):
-        logits = super().__call__(block_embeddings, context_hidden, cache, lm_head, ops)
+    def scores(self, block_embeddings, context_hidden, cache, lm_head, ops):
+        logits = super().scores(block_embeddings, context_hidden, cache, lm_head, ops)  # no draft vocabulary
         table = self.target_model[0].model.embed_tokens.weight
         anchors = mx.argmin(((table[None] - block_embeddings[:, :1]) ** 2).sum(-1), axis=-1).tolist()
         for anchor in anchors:

@@ -62,6 +62,23 @@ def path_score(logprobs: np.ndarray, ranks: tuple[int, ...]) -> float:
     return float(sum(logprobs[d, k] for d, k in enumerate(ranks)))
 
 
+def test_candidates_are_each_depths_likeliest_tokens():
+    """Per row and depth, the K likeliest ids of a draft vocabulary (its columns mapped back to
+    token ids) and their log-probabilities under the softmax over that vocabulary, best first;
+    half-precision scores are ranked as well."""
+    V, K = 50, 4
+    columns = mx.array(np.random.default_rng(1).permutation(200)[:V].astype(np.int32))
+    logits = random_logits(2, 3, V)
+    expected = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    best = np.argsort(-expected, axis=-1)[..., :K]
+    for scores in (logits, logits.astype(mx.float16)):
+        ids, logprobs = trees.candidates(scores, K, columns)
+        assert ids.shape == logprobs.shape == (2, 3, K) and ids.dtype == np.int32
+        assert (ids == np.array(columns)[best]).all()
+        tolerance = 2e-2 if scores.dtype == mx.float16 else 1e-5
+        assert np.allclose(logprobs, np.take_along_axis(expected, best, axis=-1), atol=tolerance)
+
+
 def test_build_is_the_budget_best_prefix_closed_tree():
     D, K, V, budget = 3, 2, 10, 5
     logits = random_logits(2, D, V)

@@ -187,11 +187,11 @@ class _Oracle:
     """A drafter that knows the answer: the target's own continuation.
 
     It still runs the real drafter forward (so cache bookkeeping is exercised) but replaces its
-    logits with a peak on the reference token, corrupting every ``wrong``-th position (0: never)
-    so some blocks are rejected part-way. Every row drafts ``reference``; with ``engine`` set, row
-    r drafts ``refs[uid]`` of request ``engine.uids[r]`` (prompt + the target's continuation),
-    wrong every ``wrong[uid]``-th position. A DFlash2 selector picks the peak too (it dwarfs the
-    selector's pairwise term).
+    scores with a peak on the reference token (none where a draft vocabulary lacks it), corrupting
+    every ``wrong``-th position (0: never) so some blocks are rejected part-way. Every row drafts
+    ``reference``; with ``engine`` set, row r drafts ``refs[uid]`` of request ``engine.uids[r]``
+    (prompt + the target's continuation), wrong every ``wrong[uid]``-th position. A DFlash2
+    selector picks the peak too (it dwarfs the selector's pairwise term).
     """
 
     def hidden(self, block_embeddings, context_hidden, cache, ops):
@@ -199,8 +199,8 @@ class _Oracle:
         self._starts = list(cache[0].positions)  # the anchors' positions: context rows are 0..start-1
         return out
 
-    def logits(self, hidden, lm_head):
-        logits = super().logits(hidden, lm_head)
+    def head_scores(self, hidden, lm_head):
+        scores = super().head_scores(hidden, lm_head)
         R, L = hidden.shape[:2]
         rows = []
         for r in range(R):
@@ -209,10 +209,11 @@ class _Oracle:
             every = self.wrong[uid] if uid is not None else self.wrong_every
             for pos in range(self._starts[r] + 1, self._starts[r] + L + 1):
                 tok = ref[pos] if pos < len(ref) else 0
-                rows.append((tok + 1) % logits.shape[-1] if every and pos % every == 0 else tok)
-        hot = mx.arange(logits.shape[-1]) == mx.array(rows).reshape(R, L, 1)
-        # Depends on the real logits (so the forward runs) without their -inf outside a draft vocabulary.
-        return mx.depends(mx.where(hot, 1000.0, 0.0), logits)
+                rows.append((tok + 1) % self.args.vocab_size if every and pos % every == 0 else tok)
+        ids = mx.arange(self.args.vocab_size) if self.vocab_rows is None else self.vocab_rows
+        hot = ids == mx.array(rows).reshape(R, L, 1)
+        # Depends on the real scores, so that the forward runs.
+        return mx.depends(mx.where(hot, 1000.0, 0.0), scores)
 
 
 def OracleDrafter(drafter: Drafter, reference: list[int] | None = None, wrong_every: int = 0) -> Drafter:

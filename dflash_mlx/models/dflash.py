@@ -367,15 +367,31 @@ class Drafter(nn.Module):
             c.trim(L)
         return self.norm(h[:, 1:])
 
-    def logits(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:
-        """Drafter scores over the vocabulary from ``hidden`` (the output of ``hidden``)."""
+    def head_scores(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:
+        """Drafter scores over its draft vocabulary (``vocab_rows``; all ids if it has none) from
+        ``hidden`` (the output of ``hidden``)."""
         a = self.args
         logits = lm_head(hidden)
         if a.output_multiplier != 1:
             logits = logits * a.output_multiplier
         if a.final_logit_softcapping is not None and a.final_logit_softcapping > 0:  # 0 or less: none
             logits = mx.tanh(logits / a.final_logit_softcapping) * a.final_logit_softcapping
-        return self.full_vocab(logits)
+        return logits
+
+    def scores(
+        self,
+        block_embeddings: mx.array,
+        context_hidden: mx.array,
+        cache: list,
+        lm_head: Callable[[mx.array], mx.array],
+        ops: kernels.KernelOps,
+    ) -> mx.array:
+        """Scores (B, L-1, V') for the block positions after the anchor over the draft vocabulary
+        (see ``hidden``): what proposals are picked from and trees ranked by.
+
+        lm_head: the target's output head restricted to ``vocab_rows`` (``Target.head``).
+        """
+        return self.head_scores(self.hidden(block_embeddings, context_hidden, cache, ops), lm_head)
 
     def __call__(
         self,
@@ -385,11 +401,8 @@ class Drafter(nn.Module):
         lm_head: Callable[[mx.array], mx.array],
         ops: kernels.KernelOps,
     ) -> mx.array:
-        """Logits (B, L-1, V) for the block positions after the anchor (see ``hidden``).
-
-        lm_head: the target's output head restricted to ``vocab_rows`` (``Target.head``).
-        """
-        return self.logits(self.hidden(block_embeddings, context_hidden, cache, ops), lm_head)
+        """Logits (B, L-1, V) over the whole vocabulary: ``scores``, -inf where it never proposes."""
+        return self.full_vocab(self.scores(block_embeddings, context_hidden, cache, lm_head, ops))
 
     def propose(
         self,
@@ -408,20 +421,19 @@ class Drafter(nn.Module):
         rows are independent, so the whole block is picked at once. ``anchor`` (B,)
         is unused here; DFlash2 conditions each pick on the one before.
         """
-        logits = self(block_embeddings, context_hidden, cache, lm_head, strategy.ops)
-        return self.pick(logits, strategy.propose)
+        scores = self.scores(block_embeddings, context_hidden, cache, lm_head, strategy.ops)
+        return self.pick(scores, strategy.propose)
 
-    def pick(self, logits: mx.array, propose: Callable[[mx.array], tuple[mx.array, mx.array | None]]
+    def pick(self, scores: mx.array, propose: Callable[[mx.array], tuple[mx.array, mx.array | None]]
              ) -> tuple[mx.array, mx.array | None, mx.array]:
-        """``propose`` (a strategy's) over the draft vocabulary's columns of ``logits`` (from
-        ``__call__``): the picks as token ids, the distribution they were drawn from placed in the
+        """``propose`` (a strategy's) over ``scores`` (from ``scores``: the draft vocabulary's
+        columns): the picks as token ids, the distribution they were drawn from placed in the
         vocabulary (None for a deterministic pick), and the softmax probability of each row's top
         score, the drafter's confidence in its pick (lazy: read only where a copy is weighed
-        against it). The rest of the vocabulary scores -inf: a sampler's softmax, top-p sort and
-        draw over all V ids cost several times more than over a draft vocabulary, the confidence's
-        exponentials likewise."""
+        against it). Picking over the draft vocabulary, not over all V ids with the rest at -inf:
+        a sampler's softmax, top-p sort and draw over all V cost several times more, the
+        confidence's exponentials likewise."""
         rows = self.vocab_rows
-        scores = logits if rows is None else mx.take(logits, rows, axis=-1)
         picks, q = propose(scores, columns=rows)
         confidence = mx.exp(scores.max(axis=-1) - mx.logsumexp(scores, axis=-1))
         if rows is not None:

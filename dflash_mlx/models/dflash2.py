@@ -153,7 +153,7 @@ class DFlash2Drafter(Drafter):
         strategy: Any,
     ) -> tuple[mx.array, mx.array | None, mx.array]:
         hidden = self.hidden(block_embeddings, context_hidden, cache, strategy.ops)
-        logits = self.logits(hidden, lm_head)
+        logits = self.full_vocab(self.head_scores(hidden, lm_head))
         tokens, candidates, q, confidence = self.candidate_selector(hidden, logits, anchor, strategy.propose)
         if q is not None:  # the selector's distribution, placed in the vocabulary
             q = mx.put_along_axis(mx.zeros(logits.shape, q.dtype), candidates, q, axis=-1)
