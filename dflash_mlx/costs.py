@@ -37,7 +37,7 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-from . import kernels
+from . import BLAS, kernels
 from .cache.layout import pair_digest, software, target_digest
 from .default import cache_dir
 from .errors import one_line
@@ -357,13 +357,14 @@ def calibration_dir() -> Path:
 
 
 def _machine(use_metal: bool | None) -> dict:
-    """What decides step costs besides the pair and the software: the processor, the device, the kernels."""
+    """What decides step costs besides the pair and the software: the processor, the device, the
+    kernels, the BLAS library and its kernels."""
     device = mx.default_device()
     # mx.device_info names the CPU or GPU model; versions of mlx without it have only the Metal one.
     info = mx.device_info() if hasattr(mx, "device_info") else \
         mx.metal.device_info() if device == mx.gpu else platform.processor()
     return {"machine": platform.machine(), "system": platform.system(), "cpus": os.cpu_count(),
-            "device": str(device), "info": info, "kernels": kernels.get_ops(use_metal).path}
+            "device": str(device), "info": info, "kernels": kernels.get_ops(use_metal).path, "blas": BLAS}
 
 
 def _kept_file(model: DFlashModel, use_metal: bool | None, kept_format: str, settings: list,

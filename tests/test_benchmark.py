@@ -36,6 +36,35 @@ def test_benchmark_tiny_pair(tiny_pair, tmp_path, capsys, block):
         assert max(used) == 4 and sum(used.values()) - used[4] <= 3 * 3
 
 
+SKYLAKE_X = {"avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
+
+
+def test_openblas_runs_the_kernels_of_the_cpus_vector_units():
+    """OpenBLAS gets the kernels of the vector units the CPU has (an OpenBLAS older than the CPU
+    would fall back to generic SSE3 ones), unless the user chose them; child processes choose
+    for themselves."""
+    import platform
+
+    import dflash_mlx
+    from dflash_mlx import _blas
+
+    assert _blas.kernels_for(SKYLAKE_X) == "SkylakeX"
+    assert _blas.kernels_for(SKYLAKE_X - {"avx512vl"}) == "Haswell"
+    assert _blas.kernels_for({"sse4_2", "avx"}) is None
+    if not (dflash_mlx.BLAS.startswith("OpenBLAS") and platform.machine() == "x86_64"):
+        pytest.skip("needs OpenBLAS on x86")
+    script = "import os, dflash_mlx; print(dflash_mlx.BLAS, os.environ.get('OPENBLAS_CORETYPE'))"
+
+    def blas(**env) -> str:
+        clean = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+        return subprocess.run([sys.executable, "-c", script], env=clean | env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    expected = _blas.kernels_for(_blas._cpu_flags())
+    assert blas().endswith(f"; {expected} kernels) None" if expected else " None")
+    assert blas(OPENBLAS_CORETYPE="Haswell").endswith("Haswell kernels, as OPENBLAS_CORETYPE chose) Haswell")
+
+
 def test_seeded_sampling_block_sizes(tiny_pair, tmp_path, capsys):
     # Coupled sampling keeps a seed's text at every block size: auto. Rejection sampling (DFlash2
     # drafters) does not: a fixed block of at most 4.
