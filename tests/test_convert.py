@@ -164,6 +164,7 @@ def _prefill_and_greedy(model, tokenizer, prompt, n=8):
     return np.array(logits).astype(np.float64), tokenizer.decode(tokens)
 
 
+@pytest.mark.slow  # ~20 s; test_gguf_blocks_carried_over_exactly checks the same carry-over on random blocks
 def test_gguf_4bit_carried_over(smollm, tmp_path):
     """SmolLM2's Q4_1 projections and Q8_0 embeddings kept as stored: every layer carried over,
     so the logits are llama.cpp's up to float32 summation order."""

@@ -266,6 +266,7 @@ def test_a_single_process_imports_nothing_distributed(tiny_pair):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.slow  # ~10 s: serving, not what the ranks compute (the default run's sharded tests prove that)
 def test_serve_on_rank_0(tiny_pair, tmp_path):
     """Rank 0 serves HTTP, rank 1 follows inside load; when rank 0 is stopped (SIGTERM), it says goodbye
     and rank 1 ends cleanly with it."""
@@ -295,6 +296,7 @@ def test_serve_on_rank_0(tiny_pair, tmp_path):
             r.wait()
 
 
+@pytest.mark.slow  # ~10 s: training, outside the default run's decoding proofs
 def test_two_ranks_train_the_weights_one_process_trains(tiny_pair, tmp_path):
     """``mlx.launch -n 2 -- dflash-mlx train``: each rank trains on half of every batch and the ranks
     average their gradients, so the drafter equals the one a single process trains on whole
