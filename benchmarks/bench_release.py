@@ -58,7 +58,7 @@ def systems(previous, names: list[str], pair: tuple[str, str], drafters: dict[st
     """name -> function(prompt ids, max_tokens) -> (Run, last response)."""
     model, tokenizer = dflash_mlx.load(*pair)
     # other drafters share this target (loaded once)
-    # In the target's dtype, as ``dflash_mlx.load`` gives them (the shipped one is float32 already).
+    # In the target's dtype, as ``dflash_mlx.load`` gives the shipped one.
     models = {"this": model} | {name: DFlashModel(model.target, load_drafter(path, model.target.dtype))
                                 for name, path in drafters.items()}
     out = {"mlx_lm": lambda prompt, n: (plain_run(model.target.model, tokenizer, prompt, n, 0.0, 0), None)}
